@@ -1,0 +1,138 @@
+"""Things raygym ships so that a run needs no download: a tiny Qwen3 model with a character
+tokenizer, and a synthetic, verifiable task.
+
+URIs: ``builtin:tiny-qwen3`` (model) and ``builtin:next-digit`` (dataset). They are materialised
+into a local directory on first use; the same seed always gives the same files.
+
+>>> import tempfile
+>>> path = materialize_model("builtin:tiny-qwen3", tempfile.mkdtemp())
+>>> from transformers import AutoTokenizer
+>>> AutoTokenizer.from_pretrained(path).encode("next:7")[:2]
+[...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import string
+from pathlib import Path
+from typing import Any
+
+BUILTIN_PREFIX = "builtin:"
+TINY_MODEL = "builtin:tiny-qwen3"
+NEXT_DIGIT_TASK = "builtin:next-digit"
+
+PAD, EOS = "<|pad|>", "<|eos|>"
+# One token per character; small so a random model can learn the task in minutes.
+CHARS = string.digits + string.ascii_lowercase + " +-*/=:?.,#\n"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+)
+
+TINY_ARCH: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+
+def is_builtin(uri: str | None) -> bool:
+    return bool(uri) and str(uri).startswith(BUILTIN_PREFIX)
+
+
+def build_tokenizer():
+    """A character-level ``PreTrainedTokenizerFast`` (pad=0, eos=1) built offline."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {PAD: 0, EOS: 1}
+    for ch in CHARS:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=PAD, clean_up_tokenization_spaces=False
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_tiny_model(seed: int = 0, **overrides: Any):
+    """A randomly initialised Qwen3ForCausalLM of about 0.1M parameters (deterministic in ``seed``)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = build_tokenizer()
+    arch = {**TINY_ARCH, **overrides}
+    config = Qwen3Config(
+        vocab_size=len(tok), pad_token_id=0, eos_token_id=1, bos_token_id=1, torch_dtype="float32", **arch
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    return model, tok
+
+
+def materialize_model(uri: str, directory: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """Write the builtin model ``uri`` under ``directory`` (once) and return its local path."""
+    if uri != TINY_MODEL:
+        from raygym.errors import ConfigError
+
+        raise ConfigError(f"hf_checkpoint={uri!r}: unknown builtin model; the builtin model is {TINY_MODEL!r}")
+    path = Path(directory) / f"tiny-qwen3-seed{seed}"
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return str(path)
+    model, tok = build_tiny_model(seed, **overrides)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, path)
+    except OSError:  # another process won the race; keep theirs
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(path)
+
+
+def next_digit_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """Rows of the ``next-digit`` task: prompt ``"next:7="``, label ``"8"`` (successor mod 10)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        d = rng.randrange(10)
+        rows.append({"prompt": f"next:{d}=", "label": str((d + 1) % 10)})
+    return rows
+
+
+def next_digit_reward(response: str, label: str) -> float:
+    """0.5 for the right digit first, 0.5 more for stopping right after it."""
+    text = response.strip()
+    if not text or text[0] != label:
+        return 0.0
+    return 1.0 if text == label else 0.5
+
+
+def materialize_dataset(uri: str, directory: str | os.PathLike, seed: int = 0, n: int = 1024) -> str:
+    """Write the builtin dataset ``uri`` as jsonl under ``directory`` and return its path."""
+    if uri != NEXT_DIGIT_TASK:
+        from raygym.errors import ConfigError
+
+        raise ConfigError(f"prompt_data={uri!r}: unknown builtin dataset; the builtin dataset is {NEXT_DIGIT_TASK!r}")
+    path = Path(directory) / f"next-digit-seed{seed}-n{n}.jsonl"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in next_digit_rows(n, seed)))
+        os.replace(tmp, path)
+    return str(path)

@@ -1,0 +1,48 @@
+"""Plain data records that travel between the rollout side and the trainers.
+
+No Ray, no torch at import: these are the shapes every actor agrees on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Sample:
+    """One sampled response to one prompt, with everything training needs.
+
+    ``loss_mask`` has one entry per response token: 1 for tokens the policy produced and is
+    trained on, 0 for tokens that came from elsewhere (tool output, user turns in multi-turn).
+
+    >>> s = Sample(prompt="2+2=", prompt_tokens=[5, 6, 5, 7], group_index=0)
+    >>> s.response_tokens, s.status
+    ([], 'pending')
+    """
+
+    prompt: Any  # str, or a list of chat messages before templating
+    prompt_tokens: list[int]
+    group_index: int  # which prompt of the step (samples of one group are contiguous)
+    sample_index: int = 0  # position inside its group
+    data_index: int = -1  # row of the prompt dataset it came from
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    response_tokens: list[int] = field(default_factory=list)
+    response_text: str = ""
+    rollout_log_probs: list[float] = field(default_factory=list)  # log-prob of each sampled token
+    loss_mask: list[int] | None = None  # None = every response token is trained
+    reward: float | None = None
+    reward_error: str | None = None  # the exception text when the reward function raised
+    weight_version: int = 0  # policy version the engine served when it generated this
+    finish_reason: str = ""  # "stop" | "length" | "abort"
+    status: str = "pending"  # "pending" | "completed" | "truncated" | "aborted" | "failed"
+    engine: str = ""  # which engine generated it (for traces and fault reports)
+    trace: dict[str, Any] | None = None  # sampled request trace when capture_trace is on
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_tokens)
+
+    def effective_loss_mask(self) -> list[int]:
+        return self.loss_mask if self.loss_mask is not None else [1] * len(self.response_tokens)
