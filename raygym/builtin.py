@@ -7,8 +7,9 @@ into a local directory on first use; the same seed always gives the same files.
 >>> import tempfile
 >>> path = materialize_model("builtin:tiny-qwen3", tempfile.mkdtemp())
 >>> from transformers import AutoTokenizer
->>> AutoTokenizer.from_pretrained(path).encode("next:7")[:2]
-[...]
+>>> AutoTokenizer.from_pretrained(path).decode(AutoTokenizer.from_pretrained(path).encode("next:7="))
+'next:7='
+
 """
 
 from __future__ import annotations
@@ -116,11 +117,17 @@ def next_digit_rows(n: int, seed: int) -> list[dict[str, Any]]:
 
 
 def next_digit_reward(response: str, label: str) -> float:
-    """0.5 for the right digit first, 0.5 more for stopping right after it."""
+    """Shaped so a random model gets signal: 0.25 for a digit first, 0.5 more if it is the right
+    digit, 0.25 more for stopping right after it.
+
+    >>> next_digit_reward("8", "8"), next_digit_reward("8x", "8"), next_digit_reward("3", "8"), next_digit_reward("x", "8")
+    (1.0, 0.75, 0.5, 0.0)
+    """
     text = response.strip()
-    if not text or text[0] != label:
+    if not text or not text[0].isdigit():
         return 0.0
-    return 1.0 if text == label else 0.5
+    reward = 0.25 + (0.5 if text[0] == label else 0.0)
+    return reward + (0.25 if len(text) == 1 else 0.0)
 
 
 def materialize_dataset(uri: str, directory: str | os.PathLike, seed: int = 0, n: int = 1024) -> str:

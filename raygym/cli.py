@@ -1,0 +1,237 @@
+"""The ``raygym`` command: ``train``, ``plan``, ``export``, ``bench``.
+
+Every train/plan flag is generated from the config models (``raygym plan --help`` lists them).
+``plan`` imports neither torch nor ray unless ``--cluster`` asks for a live cluster. Bad input
+prints the ConfigError on stderr and exits with code 2.
+
+    raygym plan --preset qwen3-4b --no-colocate
+    raygym train @ run.toml --lr 1e-6
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+
+from raygym.allocation import GpuAllocation
+from raygym.config import Recipe, TrainConfig, format_cli_help
+from raygym.errors import ConfigError, RaygymError
+
+USAGE_ERROR = 2
+_PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
+
+
+# ── plan rendering (pure) ────────────────────────────────────────────────────────────────────────
+
+
+def _span(gpus: list[int], per_node: int) -> str:
+    """'node 0: GPU 0-7' style text for global GPU indexes that lie on one or more nodes."""
+    parts: list[str] = []
+    for node in sorted({g // per_node for g in gpus}):
+        local = [g % per_node for g in gpus if g // per_node == node]
+        text = f"{local[0]}" if len(local) == 1 else f"{local[0]}-{local[-1]}"
+        parts.append(f"node {node}: GPU {text}")
+    return "; ".join(parts)
+
+
+def allocation_rows(alloc: GpuAllocation) -> list[tuple[str, str, str]]:
+    """(role, placement, note) rows: actor first, then critic, then rollout (on the actor's GPUs if colocated).
+
+    >>> from raygym.allocation import compute_allocation
+    >>> allocation_rows(compute_allocation(actor_num_nodes=1, actor_num_gpus_per_node=2, colocate=True))[1]
+    ('engine 0', 'node 0: GPU 0', 'shares the actor GPUs')
+    """
+    per_node = alloc.gpus_per_node
+    rows = [("actor", _span(list(range(alloc.actor_gpus)), per_node), f"{alloc.actor_gpus} GPUs")]
+    cursor = alloc.actor_gpus
+    if alloc.critic_gpus:
+        rows.append(
+            (
+                "critic",
+                _span(list(range(cursor, cursor + alloc.critic_gpus)), per_node),
+                f"{alloc.critic_gpus} GPUs",
+            )
+        )
+        cursor += alloc.critic_gpus
+    start = 0 if alloc.colocate else cursor
+    note = (
+        "shares the actor GPUs"
+        if alloc.colocate
+        else f"{alloc.rollout_num_gpus_per_engine} GPU(s) of its own"
+    )
+    for engine in range(alloc.rollout_engines):
+        first = start + engine * alloc.rollout_num_gpus_per_engine
+        rows.append(
+            (
+                f"engine {engine}",
+                _span(list(range(first, first + alloc.rollout_num_gpus_per_engine)), per_node),
+                note,
+            )
+        )
+    return rows
+
+
+def allocation_summary(alloc: GpuAllocation) -> str:
+    """One line: nodes, GPUs per role, engines, colocated or not."""
+    nodes = f"{alloc.total_nodes} node{'s' if alloc.total_nodes != 1 else ''} x {alloc.gpus_per_node} GPUs"
+    layout = "colocated" if alloc.colocate else "disaggregated"
+    return (
+        f"{nodes}, {layout}: {alloc.actor_gpus} actor GPUs, {alloc.critic_gpus} critic GPUs, "
+        f"{alloc.rollout_gpus} rollout GPUs, {alloc.rollout_engines} engines x {alloc.rollout_num_gpus_per_engine} GPU"
+        f" (total nodes: {alloc.total_nodes}, total GPUs: {alloc.total_gpus})"
+    )
+
+
+def compact_config(cfg: TrainConfig) -> list[str]:
+    """Short description of a config: model, data, run dir, and the recipe fields that differ from Recipe()."""
+    defaults = Recipe().field_values()
+    changed = {k: v for k, v in cfg.recipe.field_values().items() if defaults[k] != v}
+    lines = [
+        f"model: {cfg.model.hf_checkpoint}",
+        f"dataset: {cfg.dataset.prompt_data}",
+        f"run: {cfg.run_id} -> {cfg.run_dir}",
+        "recipe (differences from the Qwen3-4B defaults):",
+    ]
+    lines += [f"  {k} = {v!r}" for k, v in changed.items()] or ["  (none)"]
+    return lines
+
+
+def _print_plan(cfg: TrainConfig) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False, soft_wrap=True)
+    for line in compact_config(cfg):
+        console.print(line, markup=False)
+    alloc = cfg.recipe.gpu_allocation()
+    table = Table(title="GPU allocation")
+    for column in ("role", "node / GPUs", "note"):
+        table.add_column(column)
+    for row in allocation_rows(alloc):
+        table.add_row(*row)
+    console.print(table)
+    console.print(allocation_summary(alloc), markup=False)
+
+
+# ── commands ─────────────────────────────────────────────────────────────────────────────────────
+
+
+def _wants_help(args: Sequence[str]) -> bool:
+    return any(a in ("--help", "-h") for a in args)
+
+
+def _take_option(args: list[str], name: str) -> tuple[list[str], str | None]:
+    """Remove ``name VALUE`` / ``name=VALUE`` from args; return the rest and the value."""
+    rest: list[str] = []
+    value: str | None = None
+    i = 0
+    while i < len(args):
+        if args[i] == name and i + 1 < len(args):
+            value = args[i + 1]
+            i += 2
+            continue
+        if args[i].startswith(name + "="):
+            value = args[i].split("=", 1)[1]
+        else:
+            rest.append(args[i])
+        i += 1
+    return rest, value
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def app() -> None:
+    """raygym: RL post-training of LLMs (GRPO, PPO, DAPO, GSPO, REINFORCE++) as one Ray graph."""
+
+
+@app.command(context_settings=_PASS_THROUGH, add_help_option=False)
+@click.pass_context
+def plan(ctx: click.Context) -> None:
+    """Resolve the config and show the GPU allocation, without starting Ray.
+
+    Same flags as train, plus --cluster ADDRESS to place it on a live Ray cluster.
+    """
+    args = list(ctx.args)
+    if _wants_help(args):
+        click.echo(format_cli_help("raygym plan [--cluster ADDRESS]"))
+        return
+    args, cluster = _take_option(args, "--cluster")
+    cfg = TrainConfig.from_cli_args(args)
+    _print_plan(cfg)
+    if cluster:
+        from rich.console import Console
+
+        from raygym.placement import plan_on_cluster, render_assignments
+
+        Console().print(render_assignments(plan_on_cluster(cfg.recipe, cluster)))
+
+
+@app.command(context_settings=_PASS_THROUGH, add_help_option=False)
+@click.pass_context
+def train(ctx: click.Context) -> None:
+    """Train. No flags: the tiny preset on the built-in model and task (CPU, minutes)."""
+    args = list(ctx.args)
+    if _wants_help(args):
+        click.echo(format_cli_help("raygym train"))
+        return
+    cfg = TrainConfig.from_cli_args(args)
+    if importlib.util.find_spec("raygym.driver") is None:
+        raise click.ClickException("raygym.driver is not available in this install yet; `raygym plan` works")
+    from raygym.driver import train as run_training
+
+    result = run_training(cfg)
+    click.echo(str(result))
+
+
+@app.command()
+@click.argument("checkpoint_dir")
+@click.argument("out_dir")
+def export(checkpoint_dir: str, out_dir: str) -> None:
+    """Export a raygym checkpoint directory to a Hugging Face model directory."""
+    from raygym.checkpoint import export_hf
+
+    click.echo(export_hf(checkpoint_dir, out_dir))
+
+
+@app.command(context_settings=_PASS_THROUGH)
+@click.argument("name")
+@click.pass_context
+def bench(ctx: click.Context, name: str) -> None:
+    """Run benchmarks/NAME.py (JSON lines on stdout)."""
+    candidates = [
+        Path.cwd() / "benchmarks" / f"{name}.py",
+        Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py",
+    ]
+    script = next((p for p in candidates if p.is_file()), None)
+    if script is None:
+        raise ConfigError(f"bench {name!r}: no benchmarks/{name}.py here or next to the package")
+    ctx.exit(subprocess.call([sys.executable, str(script), *ctx.args]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``raygym`` console script; returns the exit code."""
+    try:
+        app.main(args=list(sys.argv[1:] if argv is None else argv), prog_name="raygym", standalone_mode=False)
+    except ConfigError as exc:
+        click.echo(f"raygym: error: {exc}", err=True)
+        return USAGE_ERROR
+    except RaygymError as exc:
+        click.echo(f"raygym: failed: {exc}", err=True)
+        return 1
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

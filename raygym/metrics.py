@@ -1,0 +1,238 @@
+"""Run metrics: one JSON line per step (always), W&B and TensorBoard when configured, phase timing,
+the per-step progress line, and the end-of-run summary table and reward curve.
+
+The W&B key is read by wandb itself from ``WANDB_API_KEY`` in the environment; raygym never takes it as
+an argument and never logs it.
+
+>>> import tempfile, json, pathlib
+>>> d = tempfile.mkdtemp()
+>>> with MetricsLogger(d) as log:
+...     row = log.log(0, {"rollout/reward_mean": 0.5})
+>>> json.loads(pathlib.Path(d, "metrics.jsonl").read_text())["step"]
+0
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REQUIRED_STEP_KEYS = (
+    "rollout/reward_mean",
+    "rollout/response_len_mean",
+    "perf/step_time",
+    "perf/rollout_time",
+    "perf/train_time",
+    "perf/sync_time",
+)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return _jsonable(value.item())
+    return value
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase of one step (``perf/<phase>_time``).
+
+    >>> t = PhaseTimer()
+    >>> with t.phase("rollout"):
+    ...     pass
+    >>> sorted(t.as_metrics())
+    ['perf/rollout_time']
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"perf/{name}_time": round(s, 6) for name, s in self.seconds.items()}
+
+
+class MetricsLogger:
+    """Writes ``metrics.jsonl`` in ``output_dir`` and forwards to W&B / TensorBoard when configured.
+
+    ``metrics_config`` is a :class:`raygym.config.MetricsConfig` (or None). Lines are appended and
+    flushed per step, so a killed run keeps every completed step; on resume the file is continued and
+    lines of steps at or after the resume point are dropped first (so a resumed run's file equals an
+    uninterrupted run's).
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        metrics_config: Any = None,
+        *,
+        run_id: str = "",
+        config_dict: Mapping[str, Any] | None = None,
+        resume_from_step: int | None = None,
+    ) -> None:
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self.history: list[dict[str, Any]] = []
+        if resume_from_step is not None and self.path.exists():
+            kept = [r for r in self._read() if r.get("step", -1) < resume_from_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self.history = kept
+        elif self.path.exists():
+            self.path.unlink()
+        self._file = self.path.open("a", buffering=1)
+        self._wandb = None
+        self._tb = None
+        mc = metrics_config
+        if mc is not None and getattr(mc, "wandb_project", None):
+            self._wandb = self._start_wandb(mc, run_id, config_dict)
+        if mc is not None and getattr(mc, "tensorboard_dir", None):
+            from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` extra
+
+            self._tb = SummaryWriter(log_dir=str(mc.tensorboard_dir))
+
+    def _read(self) -> list[dict[str, Any]]:
+        rows = []
+        for line in self.path.read_text().splitlines():
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by a kill
+                    continue
+        return rows
+
+    @staticmethod
+    def _start_wandb(mc: Any, run_id: str, config_dict: Mapping[str, Any] | None):
+        try:
+            import wandb
+        except ImportError as e:  # pragma: no cover - depends on the extra
+            from raygym.errors import ConfigError
+
+            raise ConfigError(
+                f"wandb_project={mc.wandb_project!r}: W&B logging needs the wandb package; "
+                "pip install 'raygym[wandb]' (and set WANDB_API_KEY in the environment)"
+            ) from e
+        return wandb.init(
+            project=mc.wandb_project,
+            group=getattr(mc, "wandb_group", None),
+            name=getattr(mc, "wandb_name", None) or run_id or None,
+            id=run_id or None,
+            resume="allow",
+            mode=getattr(mc, "wandb_mode", None) or None,
+            config=dict(config_dict or {}),
+        )
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        self.history.append(row)
+        numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+        if self._tb is not None:
+            for k, v in numeric.items():
+                if k != "step":
+                    self._tb.add_scalar(k, v, step)
+        return row
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def progress_line(row: Mapping[str, Any], num_steps: int) -> str:
+    """The one-line per-step summary the driver prints (rich markup)."""
+    def f(key: str, fmt: str) -> str:
+        v = row.get(key)
+        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+    return (
+        f"[bold]step {row['step'] + 1}/{num_steps}[/bold]  reward {f('rollout/reward_mean', '.3f')}  "
+        f"resp_len {f('rollout/response_len_mean', '.1f')}  step {f('perf/step_time', '.2f')}s  "
+        f"(rollout {f('perf/rollout_time', '.2f')}s, train {f('perf/train_time', '.2f')}s, "
+        f"sync {f('perf/sync_time', '.2f')}s)  {f('perf/tokens_per_s', '.0f')} tok/s"
+    )
+
+
+def summary_table(history: list[Mapping[str, Any]], title: str = "raygym run"):
+    """A rich Table with first/last/best of the main curves."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("metric", "first", "last", "min", "max"):
+        table.add_column(col, justify="right" if col != "metric" else "left")
+    keys = [
+        "rollout/reward_mean",
+        "rollout/response_len_mean",
+        "train/loss",
+        "train/grad_norm",
+        "perf/step_time",
+        "perf/tokens_per_s",
+    ]
+    keys += sorted({k for r in history for k in r if k.startswith("eval/") and k.endswith("reward_mean")})
+    for key in keys:
+        values = [r[key] for r in history if isinstance(r.get(key), (int, float))]
+        if values:
+            table.add_row(key, *(f"{v:.4g}" for v in (values[0], values[-1], min(values), max(values))))
+    return table
+
+
+def plot_reward_curve(history: list[Mapping[str, Any]], path: str | os.PathLike) -> str | None:
+    """Save a PNG of reward (and eval reward) per step; returns its path, or None with no data."""
+    steps = [r["step"] for r in history if isinstance(r.get("rollout/reward_mean"), (int, float))]
+    if not steps:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rewards = [r["rollout/reward_mean"] for r in history if isinstance(r.get("rollout/reward_mean"), (int, float))]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(steps, rewards, marker="o", markersize=3, label="rollout reward (mean)")
+    window = max(1, len(rewards) // 10)
+    if window > 1:
+        smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+                  for i in range(len(rewards))]
+        ax.plot(steps, smooth, linewidth=2, label=f"moving mean ({window} steps)")
+    for key in sorted({k for r in history for k in r if k.startswith("eval/") and k.endswith("reward_mean")}):
+        pts = [(r["step"], r[key]) for r in history if isinstance(r.get(key), (int, float))]
+        ax.plot(*zip(*pts), marker="s", linestyle="--", label=key)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
