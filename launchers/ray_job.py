@@ -1,0 +1,418 @@
+"""Submit a raygym run to any running Ray cluster — ``ray job submit`` with the right runtime_env.
+
+Equivalent to ``ray job submit --address ADDR --runtime-env-json ... -- python -m raygym.train FLAGS``, plus:
+env vars from the recipe's ``environment`` / ``train_env_vars``; secrets (``WANDB_API_KEY``, ``HF_TOKEN``…)
+copied from *your* environment into the job's runtime_env — never onto the command line — and redacted in
+everything printed; the Ray auth token sent as an HTTP header when the cluster uses token auth.
+
+CLI (flags it does not know are train flags, forwarded verbatim)::
+
+    python -m launchers.ray_job --address http://127.0.0.1:8265 --preset tiny --num-rollout 2
+
+Python::
+
+    from launchers.ray_job import submit_train_job
+    job = submit_train_job("http://head:8265", ["--preset", "qwen3-4b"], pip_extras=["wandb"])
+    job.status   # 'SUCCEEDED' | 'FAILED' | 'STOPPED' | ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raygym.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TRAIN_MODULE = "raygym.train"
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+# Secrets copied from the caller's environment into the job's env_vars (never argv).
+SECRET_ENV_VARS = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+# Flags that would put a secret on a command line; the fix is the matching env var.
+_SECRET_FLAGS = {
+    "--wandb-key": "WANDB_API_KEY",
+    "--wandb-api-key": "WANDB_API_KEY",
+    "--hf-token": "HF_TOKEN",
+    "--ray-auth-token": "RAY_AUTH_TOKEN",
+}
+# Never uploaded with working_dir: build outputs, run outputs, caches.
+WORKING_DIR_EXCLUDES = [
+    ".git", "runs", "outputs", ".venv", "**/__pycache__", "*.egg-info", ".pytest_cache", ".ruff_cache",
+    ".benchmarks", "wandb",
+]  # fmt: skip
+REDACTED = "***"
+TERMINAL_STATUSES = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+# ---------------------------------------------------------------- train flags and the recipe
+
+
+def resolve_recipe(train_args: Sequence[str]) -> Any:
+    """The :class:`raygym.Recipe` a train command line describes (preset, TOML files, flags).
+
+    Parsed exactly as the job will parse it (``TrainConfig.from_cli_args``), so a bad flag fails here,
+    before anything is submitted.
+    """
+    from raygym.config import TrainConfig
+
+    return TrainConfig.from_cli_args(list(train_args)).recipe
+
+
+def recipe_env_vars(recipe: Any) -> dict[str, str]:
+    """``recipe.environment`` then ``recipe.train_env_vars`` (dict or inline JSON) as string env vars."""
+    env: dict[str, str] = {}
+    for field_name in ("environment", "train_env_vars"):
+        value = getattr(recipe, field_name, None)
+        if value in (None, "", {}):
+            continue
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise ConfigError(
+                    f'{field_name}={value!r}: not valid JSON; pass an object like \'{{"NCCL_DEBUG": "INFO"}}\''
+                ) from None
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{field_name}={value!r}: must be a mapping of env var names to values")
+        env.update({str(k): str(v) for k, v in value.items()})
+    return env
+
+
+# ---------------------------------------------------------------- secrets
+
+
+def secret_env_vars(environ: Mapping[str, str], names: Iterable[str] = SECRET_ENV_VARS) -> dict[str, str]:
+    """The secrets set in ``environ`` (empty values skipped)."""
+    return {n: environ[n] for n in names if environ.get(n)}
+
+
+def check_no_secrets_on_argv(train_args: Sequence[str], secret_values: Iterable[str]) -> None:
+    """Raise ``ConfigError`` when a train flag would carry a secret on the job's command line."""
+    for arg in train_args:
+        flag = arg.split("=", 1)[0]
+        if flag in _SECRET_FLAGS:
+            raise ConfigError(
+                f"{flag}: secrets must not travel on the command line; export {_SECRET_FLAGS[flag]} "
+                "in your environment instead (it is passed to the job through runtime_env env_vars)"
+            )
+    for value in secret_values:
+        if len(value) >= 4 and any(value in arg for arg in train_args):
+            raise ConfigError(
+                "train flags contain the value of a secret env var; remove it from the command line — "
+                f"the launcher passes {', '.join(SECRET_ENV_VARS)} through runtime_env env_vars"
+            )
+
+
+def redact(text: str, secret_values: Iterable[str]) -> str:
+    """``text`` with every secret value replaced by ``***``.
+
+    >>> redact("key=abcd1234 ok", ["abcd1234"])
+    'key=*** ok'
+    """
+    for value in sorted((v for v in secret_values if len(v) >= 4), key=len, reverse=True):
+        text = text.replace(value, REDACTED)
+    return text
+
+
+def redacted_runtime_env(runtime_env: Mapping[str, Any], secret_names: Iterable[str]) -> dict[str, Any]:
+    """A printable copy of ``runtime_env``: secret env var values replaced by ``***``."""
+    names = set(secret_names)
+    out = dict(runtime_env)
+    if "env_vars" in out:
+        out["env_vars"] = {k: (REDACTED if k in names else v) for k, v in out["env_vars"].items()}
+    return out
+
+
+# ---------------------------------------------------------------- Ray auth token
+
+
+def find_auth_token(
+    environ: Mapping[str, str], token_file: str | None = None, home: str | None = None
+) -> str | None:
+    """The Ray auth token to send, looked up like Ray 2.60 does; None when there is none to send.
+
+    Order: ``token_file``; ``RAY_AUTH_TOKEN``; the file in ``RAY_AUTH_TOKEN_PATH``; ``~/.ray/auth_token``
+    unless ``RAY_AUTH_MODE=disabled``.
+    """
+    if token_file:
+        path = Path(token_file).expanduser()
+        if not path.is_file():
+            raise ConfigError(
+                f"auth_token_file={token_file!r}: no such file; point it at the cluster's token"
+            )
+        return path.read_text().strip() or None
+    if environ.get("RAY_AUTH_TOKEN", "").strip():
+        return environ["RAY_AUTH_TOKEN"].strip()
+    if environ.get("RAY_AUTH_TOKEN_PATH"):
+        path = Path(environ["RAY_AUTH_TOKEN_PATH"]).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"RAY_AUTH_TOKEN_PATH={str(path)!r}: no such file; fix or unset it")
+        return path.read_text().strip() or None
+    if environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        return None
+    default = Path(home or Path.home()) / ".ray" / "auth_token"
+    if not default.is_file():
+        return None
+    return default.read_text().strip() or None
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    """HTTP headers for the Ray dashboard (``Authorization: Bearer <token>``), {} without a token."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+# ---------------------------------------------------------------- runtime_env and entrypoint
+
+
+def pip_for_extras(extras: Iterable[str], pyproject: Path = REPO_ROOT / "pyproject.toml") -> list[str]:
+    """The requirements of raygym's optional extras (``wandb`` → ``["wandb>=0.19"]``), from pyproject.toml."""
+    extras = list(extras)
+    if not extras:
+        return []
+    import tomllib
+
+    optional = tomllib.loads(pyproject.read_text())["project"].get("optional-dependencies", {})
+    reqs: list[str] = []
+    for extra in extras:
+        if extra not in optional:
+            raise ConfigError(
+                f"pip_extras={extra!r}: unknown raygym extra; known: {', '.join(sorted(optional))}"
+            )
+        reqs += [r for r in optional[extra] if r not in reqs]
+    return reqs
+
+
+def build_entrypoint(train_args: Sequence[str], python: str = "python") -> str:
+    """The job's shell command: ``python -m raygym.train <flags>`` (quoted; never contains secrets)."""
+    return shlex.join([python, "-m", TRAIN_MODULE, *train_args])
+
+
+def build_runtime_env(
+    recipe_env: Mapping[str, str],
+    secrets: Mapping[str, str],
+    *,
+    working_dir: str | None,
+    pip: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The job's runtime_env: env vars (recipe, then ``extra_env``, then secrets), working_dir, pip.
+
+    ``working_dir=None`` runs the raygym already installed on the cluster.
+    """
+    env = {**recipe_env, **(extra_env or {}), **secrets}
+    runtime_env: dict[str, Any] = {}
+    if env:
+        runtime_env["env_vars"] = env
+    if working_dir is not None:
+        runtime_env["working_dir"] = str(working_dir)
+        runtime_env["excludes"] = list(WORKING_DIR_EXCLUDES)
+    if pip:
+        runtime_env["pip"] = list(pip)
+    return runtime_env
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything sent to the cluster for one run (``entrypoint`` + ``runtime_env``)."""
+
+    entrypoint: str
+    runtime_env: dict[str, Any]
+    secret_names: tuple[str, ...]
+
+    def describe(self, address: str) -> str:
+        """The equivalent ``ray job submit`` command, secrets redacted."""
+        env = json.dumps(redacted_runtime_env(self.runtime_env, self.secret_names))
+        return (
+            f"ray job submit --address {address} --runtime-env-json {shlex.quote(env)} -- {self.entrypoint}"
+        )
+
+
+def build_job_spec(
+    train_args: Sequence[str],
+    *,
+    environ: Mapping[str, str],
+    recipe: Any | None = None,
+    working_dir: str | None = str(REPO_ROOT),
+    pip_extras: Iterable[str] = (),
+    extra_env: Mapping[str, str] | None = None,
+) -> JobSpec:
+    """Check the flags and build the entrypoint + runtime_env for ``train_args``.
+
+    ``recipe`` defaults to :func:`resolve_recipe` of the flags (for its env vars).
+    """
+    train_args = list(train_args)
+    secrets = secret_env_vars(environ)
+    check_no_secrets_on_argv(train_args, secrets.values())
+    recipe = resolve_recipe(train_args) if recipe is None else recipe
+    runtime_env = build_runtime_env(
+        recipe_env_vars(recipe), secrets, working_dir=working_dir, pip=pip_for_extras(pip_extras),
+        extra_env=extra_env,
+    )  # fmt: skip
+    return JobSpec(build_entrypoint(train_args), runtime_env, tuple(secrets))
+
+
+# ---------------------------------------------------------------- submit and follow
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """How a submitted job ended (or stood, with ``follow=False``)."""
+
+    job_id: str
+    status: str  # Ray JobStatus value: PENDING | RUNNING | SUCCEEDED | FAILED | STOPPED
+    message: str = ""
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status == "SUCCEEDED"
+
+
+def submit_train_job(
+    address: str,
+    train_args: Sequence[str],
+    *,
+    environ: Mapping[str, str] | None = None,
+    recipe: Any | None = None,
+    working_dir: str | None = str(REPO_ROOT),
+    pip_extras: Iterable[str] = (),
+    extra_env: Mapping[str, str] | None = None,
+    token_file: str | None = None,
+    submission_id: str | None = None,
+    follow: bool = True,
+    out: Callable[[str], None] = print,
+    watchdog: Callable[[], str | None] | None = None,
+    watchdog_interval_s: float = 5.0,
+) -> JobOutcome:
+    """Submit ``python -m raygym.train <train_args>`` to the Ray cluster at ``address``.
+
+    Prints the job id, then (``follow=True``) streams the job's logs until it ends and returns its final
+    status. ``watchdog`` is polled every ``watchdog_interval_s`` while following: when it returns a text,
+    the job is stopped and that text becomes the outcome's message (the Modal launcher uses it to fail a
+    run whose node stayed dead).
+    """
+    from ray.job_submission import JobSubmissionClient
+
+    environ = os.environ if environ is None else environ
+    spec = build_job_spec(
+        train_args, environ=environ, recipe=recipe, working_dir=working_dir, pip_extras=pip_extras,
+        extra_env=extra_env,
+    )  # fmt: skip
+    token = find_auth_token(environ, token_file)
+    headers = auth_headers(token)
+    env_vars = spec.runtime_env.get("env_vars", {})
+    secret_values = [env_vars[n] for n in spec.secret_names] + ([token] if token else [])
+    say = lambda text: out(redact(text, secret_values))  # noqa: E731
+
+    client = JobSubmissionClient(address, headers=headers or None)
+    say(f"submitting: {spec.describe(address)}")
+    job_id = client.submit_job(
+        entrypoint=spec.entrypoint, runtime_env=spec.runtime_env, submission_id=submission_id
+    )
+    say(f"job id: {job_id}")
+    if not follow:
+        return JobOutcome(job_id, str(client.get_job_status(job_id).value))
+
+    stop_reason: list[str] = []
+    done = threading.Event()
+    if watchdog is not None:
+        threading.Thread(
+            target=_watch,
+            args=(client, job_id, watchdog, watchdog_interval_s, done, stop_reason, say),
+            daemon=True,
+        ).start()
+    try:
+        asyncio.run(_tail(client, job_id, say))
+        status = _wait_terminal(client, job_id)
+    finally:
+        done.set()
+    info = client.get_job_info(job_id)
+    message = stop_reason[0] if stop_reason else (info.message or "")
+    say(f"job {job_id} ended: {status}" + (f" — {message}" if message else ""))
+    return JobOutcome(job_id, status, message)
+
+
+async def _tail(client: Any, job_id: str, say: Callable[[str], None]) -> None:
+    async for chunk in client.tail_job_logs(job_id):
+        say(chunk.rstrip("\n"))
+
+
+def _wait_terminal(client: Any, job_id: str, timeout_s: float = 60.0) -> str:
+    # The log stream can close a moment before the status is final.
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = str(client.get_job_status(job_id).value)
+        if status in TERMINAL_STATUSES or time.monotonic() > deadline:
+            return status
+        time.sleep(0.5)
+
+
+def _watch(
+    client: Any,
+    job_id: str,
+    watchdog: Callable[[], str | None],
+    interval_s: float,
+    done: threading.Event,
+    stop_reason: list[str],
+    say: Callable[[str], None],
+) -> None:
+    while not done.wait(interval_s):
+        reason = watchdog()
+        if reason:
+            stop_reason.append(reason)
+            say(f"watchdog: stopping job {job_id}:\n{reason}")
+            client.stop_job(job_id)
+            return
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m launchers.ray_job",
+        description="Submit `python -m raygym.train [train flags]` to a running Ray cluster. "
+        "Flags not listed here are train flags and are forwarded verbatim.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS,
+                   help="Ray dashboard URL (default $RAY_ADDRESS or %(default)s)")  # fmt: skip
+    p.add_argument("--working-dir", default=str(REPO_ROOT), help="uploaded as the job's working_dir")
+    p.add_argument("--installed", action="store_true", help="use the raygym installed on the cluster")
+    p.add_argument(
+        "--pip-extra", action="append", default=[], help="raygym extra to pip-install (repeatable)"
+    )
+    p.add_argument("--submission-id", default=None)
+    p.add_argument("--auth-token-file", default=None, help="Ray auth token file (default: RAY_AUTH_TOKEN…)")
+    p.add_argument("--no-wait", action="store_true", help="print the job id and return")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry; returns 0 when the job succeeded (or was submitted with ``--no-wait``)."""
+    opts, train_args = _parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if train_args[:1] == ["--"]:
+        train_args = train_args[1:]
+    try:
+        outcome = submit_train_job(
+            opts.address, train_args, working_dir=None if opts.installed else opts.working_dir,
+            pip_extras=opts.pip_extra, token_file=opts.auth_token_file, submission_id=opts.submission_id,
+            follow=not opts.no_wait,
+        )  # fmt: skip
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0 if outcome.succeeded or (opts.no_wait and outcome.status not in ("FAILED", "STOPPED")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
