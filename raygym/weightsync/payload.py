@@ -1,0 +1,139 @@
+"""One bucket on the wire: a JSON manifest plus one flat uint8 buffer.
+
+The manifest lists, per tensor: HF name, shape, dtype, encoding (``full`` or a delta encoding from
+:mod:`raygym.weightsync.codec`), byte offset and size inside the flat buffer, and the checksum of the
+tensor the receiver must END with (not of the payload). Every entry starts on a 64-byte boundary.
+
+Over torch.distributed a bucket is two uint8 tensors named :data:`MANIFEST_NAME` and
+:data:`BUCKET_NAME` broadcast in that order, loaded with ``load_format=LOADER`` (SGLang's custom
+weight-loader convention). On disk the two tensors are stored in one safetensors shard.
+
+>>> import torch
+>>> enc = encode_tensor("w", torch.arange(4, dtype=torch.float32))
+>>> manifest, flat = pack_bucket([enc], version=3)
+>>> m, parts = unpack_bucket(manifest, flat)
+>>> m.version, [(e.name, e.encoding, tuple(p.shape)) for e, p in parts]
+(3, [('w', 'full', (16,))])
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from raygym.weightsync.codec import (
+    Buffer,
+    as_uint8,
+    checksum,
+    dtype_name,
+    encode_delta,
+    read_header,
+    tensor_bytes,
+)
+
+MANIFEST_NAME = "__raygym_manifest__"
+BUCKET_NAME = "__raygym_bucket__"
+LOADER = "raygym.weightsync.loader:load_payload"
+FORMAT = "raygym.bucket.v1"
+FULL = "full"
+ALIGN = 64  # bytes; keeps every entry's integer views aligned
+
+
+@dataclass
+class EncodedTensor:
+    """One tensor ready for a bucket: its payload bytes and the checksum of the resulting tensor."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    encoding: str
+    data: torch.Tensor  # flat uint8, CPU
+    checksum: str
+    changed: int  # elements that differ from the snapshot (numel for a full payload without snapshot)
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+
+@dataclass
+class ManifestEntry:
+    name: str
+    shape: list[int]
+    dtype: str
+    encoding: str
+    offset: int
+    nbytes: int
+    checksum: str
+
+
+@dataclass
+class Manifest:
+    version: int
+    entries: list[ManifestEntry]
+    total_bytes: int
+
+    def to_bytes(self) -> bytes:
+        doc = {"format": FORMAT, "version": self.version, "total_bytes": self.total_bytes,
+               "tensors": [asdict(e) for e in self.entries]}
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: Buffer) -> Manifest:
+        data = as_uint8(raw).numpy().tobytes() if not isinstance(raw, bytes) else raw
+        doc = json.loads(data.decode())
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"not a raygym bucket manifest (format {doc.get('format')!r}, expected {FORMAT!r})")
+        return cls(int(doc["version"]), [ManifestEntry(**e) for e in doc["tensors"]], int(doc["total_bytes"]))
+
+
+def encode_tensor(
+    name: str, tensor: torch.Tensor, snapshot: torch.Tensor | None = None, encoding: str = FULL
+) -> EncodedTensor:
+    """Encode ``tensor`` in full, or as a delta against ``snapshot`` (same shape and dtype).
+
+    A delta that would not be smaller than the full bytes is sent in full instead.
+    """
+    tensor = tensor.detach()
+    shape, numel = tuple(tensor.shape), tensor.numel()
+    digest = checksum(tensor)
+    changed = numel
+    if snapshot is not None and encoding != FULL:
+        delta = encode_delta(tensor, snapshot, encoding)
+        changed = read_header(delta)[4]
+        if len(delta) < tensor.numel() * tensor.element_size():
+            return EncodedTensor(name, shape, dtype_name(tensor.dtype), encoding, as_uint8(delta), digest,
+                                 changed, numel)
+    return EncodedTensor(name, shape, dtype_name(tensor.dtype), FULL, tensor_bytes(tensor), digest, changed, numel)
+
+
+def packed_size(nbytes: int) -> int:
+    """Bytes an entry of ``nbytes`` occupies in a flat buffer (rounded up to :data:`ALIGN`)."""
+    return nbytes + (-nbytes % ALIGN)
+
+
+def pack_bucket(encoded: Sequence[EncodedTensor], version: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lay ``encoded`` out in one flat uint8 buffer; return (manifest bytes as uint8 tensor, flat buffer)."""
+    entries, offset = [], 0
+    for e in encoded:
+        entries.append(ManifestEntry(e.name, list(e.shape), e.dtype, e.encoding, offset, e.nbytes, e.checksum))
+        offset += packed_size(e.nbytes)
+    flat = torch.empty(offset, dtype=torch.uint8)
+    for e, entry in zip(encoded, entries, strict=True):
+        flat[entry.offset : entry.offset + entry.nbytes].copy_(e.data)
+        flat[entry.offset + entry.nbytes : entry.offset + packed_size(entry.nbytes)].zero_()
+    manifest = Manifest(version, entries, offset).to_bytes()
+    return torch.frombuffer(bytearray(manifest), dtype=torch.uint8), flat
+
+
+def unpack_bucket(manifest: Buffer, flat: Buffer) -> tuple[Manifest, list[tuple[ManifestEntry, torch.Tensor]]]:
+    """Parse a bucket: the manifest and, per entry, a uint8 view of its payload inside ``flat``."""
+    m = Manifest.from_bytes(manifest)
+    buf = as_uint8(flat)
+    if buf.numel() != m.total_bytes:
+        raise ValueError(f"bucket buffer has {buf.numel()} bytes, manifest says {m.total_bytes}")
+    return m, [(e, buf[e.offset : e.offset + e.nbytes]) for e in m.entries]
