@@ -1,0 +1,341 @@
+"""Prompt datasets: rows from jsonl or parquet on any fsspec URL, templated and tokenized once.
+
+A :class:`PromptDataset` holds every usable row already tokenized (``input_ids`` without special
+tokens, which is what the engines' ``/generate`` expects) and hands out batches in a per-epoch
+order that depends only on ``seed`` and the epoch number, so a run resumed from
+``state_dict()`` sees exactly the prompts it would have seen.
+
+Prompt length policy (``rollout_max_prompt_len``):
+
+- ``"filter"`` (default): rows whose prompt is longer are dropped when the dataset loads.
+- ``"truncate"``: the prompt keeps its LAST ``max_prompt_len`` tokens (the end of a templated prompt
+  carries the generation prompt the model must see).
+
+>>> import tempfile, json, os
+>>> d = tempfile.mkdtemp(); p = os.path.join(d, "rows.jsonl")
+>>> _ = open(p, "w").write(json.dumps({"prompt": "2+2=", "label": "4"}) + "\\n")
+>>> from raygym.builtin import build_tokenizer
+>>> ds = PromptDataset.from_url(p, build_tokenizer(), shuffle=False)
+>>> [(r.data_index, r.prompt, r.label) for r in ds.next_batch(2)]
+[(0, '2+2=', '4'), (0, '2+2=', '4')]
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from raygym.errors import ConfigError
+
+PROMPT_LEN_POLICIES = ("filter", "truncate")
+
+
+class PromptRow(NamedTuple):
+    """One prompt handed to the rollout: unpacks as ``(data_index, prompt, label, metadata, prompt_tokens)``."""
+
+    data_index: int  # row number in the source file (0-based, before any filtering)
+    prompt: Any  # the raw input: a string or a list of chat messages
+    label: Any
+    metadata: dict[str, Any]
+    prompt_tokens: list[int]
+
+
+def _data_format(url: str, fmt: str | None) -> str:
+    if fmt and fmt != "auto":
+        if fmt not in ("jsonl", "parquet"):
+            raise ConfigError(f"format={fmt!r}: unknown dataset format; use 'jsonl' or 'parquet'")
+        return fmt
+    lowered = url.lower()
+    if lowered.endswith(".parquet"):
+        return "parquet"
+    if lowered.endswith((".jsonl", ".json", ".jsonl.gz")):
+        return "jsonl"
+    raise ConfigError(
+        f"prompt_data={url!r}: cannot tell the format from the name; name it *.jsonl or *.parquet "
+        "or set the dataset format explicitly"
+    )
+
+
+def read_rows(url: str, fmt: str | None = None) -> list[dict[str, Any]]:
+    """Read every row of a jsonl or parquet file at ``url`` (a path or any fsspec URL).
+
+    A line that is not a JSON object raises :class:`ConfigError` naming the file and the row.
+    """
+    import fsspec
+
+    kind = _data_format(url, fmt)
+    try:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            with fsspec.open(url, "rb") as fh:
+                return pq.read_table(fh).to_pylist()
+        rows: list[dict[str, Any]] = []
+        with fsspec.open(url, "rt", encoding="utf-8", compression="infer") as fh:
+            for line_no, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(
+                        f"prompt data {url!r} line {line_no} (row {len(rows)}): not valid JSON ({e.msg}); "
+                        "each line must be one JSON object"
+                    ) from None
+                if not isinstance(row, dict):
+                    raise ConfigError(
+                        f"prompt data {url!r} line {line_no} (row {len(rows)}): expected a JSON object, "
+                        f"got {type(row).__name__}"
+                    )
+                rows.append(row)
+        return rows
+    except FileNotFoundError:
+        raise ConfigError(f"prompt_data={url!r}: file not found; check the path or URL") from None
+
+
+def resolve_data_url(url: str, cache_dir: str | None = None, seed: int = 0) -> str:
+    """Map ``builtin:`` dataset URIs to a materialised local file; other URLs pass through."""
+    from raygym.builtin import is_builtin, materialize_dataset
+
+    if is_builtin(url):
+        directory = cache_dir or str(Path(tempfile.gettempdir()) / "raygym-data")
+        return materialize_dataset(url, directory, seed=seed)
+    return url
+
+
+def render_prompt(
+    prompt: Any, tokenizer: Any, apply_chat_template: bool, chat_template_kwargs: Mapping[str, Any] | None
+) -> str:
+    """The text sent to the model: the chat template applied (with the generation prompt) or the raw text."""
+    if apply_chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **dict(chat_template_kwargs or {})
+        )
+    if not isinstance(prompt, str):
+        raise ValueError("holds chat messages, not text; set apply_chat_template=True to template them")
+    return prompt
+
+
+def parse_chat_template_kwargs(value: Mapping[str, Any] | str | None) -> dict[str, Any]:
+    """``apply_chat_template_kwargs`` as a dict: accepts a dict, a JSON string or ``""``/None."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, Mapping):
+        return dict(value)
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ConfigError(
+            f"apply_chat_template_kwargs={value!r}: must be a JSON object such as "
+            '\'{"enable_thinking": false}\''
+        )
+    return parsed
+
+
+class PromptDataset:
+    """Tokenized prompts with a resumable, seeded per-epoch order.
+
+    Build it with :meth:`from_url` (or :func:`dataset_from_config`). ``next_batch(n)`` walks the
+    current epoch's order and rolls over into the next epoch (a fresh permutation when
+    ``shuffle``) as needed; ``state_dict()`` / ``load_state_dict()`` save and restore the position.
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        tokenizer: Any,
+        *,
+        source: str = "<rows>",
+        input_key: str = "prompt",
+        label_key: str | None = "label",
+        metadata_key: str | None = "metadata",
+        apply_chat_template: bool = False,
+        apply_chat_template_kwargs: Mapping[str, Any] | str | None = None,
+        max_prompt_len: int | None = None,
+        prompt_len_policy: str = "filter",
+        shuffle: bool = True,
+        seed: int = 1234,
+    ) -> None:
+        if prompt_len_policy not in PROMPT_LEN_POLICIES:
+            raise ConfigError(
+                f"prompt_len_policy={prompt_len_policy!r}: unknown policy; use one of {PROMPT_LEN_POLICIES}"
+            )
+        if max_prompt_len is not None and max_prompt_len <= 0:
+            raise ConfigError(f"rollout_max_prompt_len={max_prompt_len}: must be a positive int or None")
+        self.source = source
+        self.shuffle = shuffle
+        self.seed = seed
+        kwargs = parse_chat_template_kwargs(apply_chat_template_kwargs)
+        self.num_filtered = 0  # rows dropped by the "filter" prompt-length policy
+        self._items: list[PromptRow] = []
+        for index, row in enumerate(rows):
+            item = self._build_item(index, row, tokenizer, input_key, label_key, metadata_key,
+                                    apply_chat_template, kwargs)
+            if max_prompt_len is not None and len(item.prompt_tokens) > max_prompt_len:
+                if prompt_len_policy == "filter":
+                    self.num_filtered += 1
+                    continue
+                item = item._replace(prompt_tokens=item.prompt_tokens[-max_prompt_len:])
+            self._items.append(item)
+        if not self._items:
+            raise ConfigError(
+                f"prompt data {source!r}: no usable rows ({len(rows)} read, {self.num_filtered} longer than "
+                f"rollout_max_prompt_len={max_prompt_len}); raise rollout_max_prompt_len or check the file"
+            )
+        self._epoch = 0
+        self._offset = 0
+        self._order = self._epoch_order(0)
+
+    def _build_item(self, index, row, tokenizer, input_key, label_key, metadata_key, use_template, kwargs):
+        where = f"prompt data {self.source!r} row {index}"
+        if not isinstance(row, Mapping):
+            raise ConfigError(f"{where}: expected an object with key {input_key!r}, got {type(row).__name__}")
+        if input_key not in row:
+            raise ConfigError(
+                f"{where}: missing input_key {input_key!r} (keys: {sorted(row)}); set input_key to the prompt column"
+            )
+        if label_key and label_key not in row:
+            raise ConfigError(
+                f"{where}: missing label_key {label_key!r} (keys: {sorted(row)}); set label_key to the "
+                "answer column, or None for unlabelled data"
+            )
+        metadata = row.get(metadata_key) if metadata_key else None
+        if metadata is None:
+            metadata = {}
+        if isinstance(metadata, str):  # parquet columns often hold JSON text
+            try:
+                metadata = json.loads(metadata)
+            except json.JSONDecodeError:
+                metadata = None
+        if not isinstance(metadata, dict):
+            raise ConfigError(f"{where}: metadata_key {metadata_key!r} must hold an object (or JSON text of one)")
+        prompt = row[input_key]
+        try:
+            text = render_prompt(prompt, tokenizer, use_template, kwargs)
+        except ValueError as e:
+            raise ConfigError(f"{where}: input_key {input_key!r} {e}") from None
+        tokens = list(tokenizer.encode(text, add_special_tokens=False))
+        label = row[label_key] if label_key else None
+        return PromptRow(index, prompt, label, metadata, tokens)
+
+    @classmethod
+    def from_url(
+        cls, url: str, tokenizer: Any, *, fmt: str | None = None, cache_dir: str | None = None, **kwargs: Any
+    ) -> PromptDataset:
+        """Load ``url`` (path, ``file://``, ``memory://``, any fsspec URL, or ``builtin:next-digit``)."""
+        local = resolve_data_url(url, cache_dir)
+        return cls(read_rows(local, fmt), tokenizer, source=url, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, position: int) -> PromptRow:
+        return self._items[position]
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self._items)))
+        if self.shuffle:
+            # Depends only on (seed, epoch): a resumed run reproduces the same order.
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_batch(self, n: int) -> list[PromptRow]:
+        """The next ``n`` prompts, rolling over into later epochs (n may exceed the dataset size)."""
+        if n < 0:
+            raise ValueError(f"n={n}: must be >= 0")
+        out: list[PromptRow] = []
+        while len(out) < n:
+            if self._offset >= len(self._order):
+                self._epoch += 1
+                self._offset = 0
+                self._order = self._epoch_order(self._epoch)
+            take = min(n - len(out), len(self._order) - self._offset)
+            out.extend(self._items[i] for i in self._order[self._offset : self._offset + take])
+            self._offset += take
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position, JSON-serialisable: ``{"epoch", "offset", "seed", "size", "shuffle"}``."""
+        return {"epoch": self._epoch, "offset": self._offset, "seed": self.seed, "size": len(self._items),
+                "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a position saved by :meth:`state_dict` (the dataset must have the same size)."""
+        if int(state.get("size", len(self._items))) != len(self._items):
+            raise ConfigError(
+                f"prompt data {self.source!r}: the checkpoint's data position is for {state['size']} rows but "
+                f"the dataset has {len(self._items)}; resume with the same prompt_data and rollout_max_prompt_len"
+            )
+        epoch, offset = int(state["epoch"]), int(state["offset"])
+        if epoch < 0 or not 0 <= offset <= len(self._items):
+            raise ConfigError(f"data position epoch={epoch} offset={offset}: out of range for {self.source!r}")
+        self._epoch, self._offset = epoch, offset
+        self._order = self._epoch_order(epoch)
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    return getattr(obj, name, default) if obj is not None else default
+
+
+def dataset_options(cfg: Any) -> dict[str, Any]:
+    """PromptDataset keyword arguments from a ``TrainConfig`` (dataset + recipe fields)."""
+    ds, recipe = _get(cfg, "dataset"), _get(cfg, "recipe")
+    kwargs = _get(ds, "apply_chat_template_kwargs") or _get(recipe, "apply_chat_template_kwargs")
+    return {
+        "input_key": _get(ds, "input_key", "prompt"),
+        "label_key": _get(ds, "label_key", "label"),
+        "metadata_key": _get(ds, "metadata_key", "metadata"),
+        "apply_chat_template": bool(_get(ds, "apply_chat_template", False)),
+        "apply_chat_template_kwargs": kwargs,
+        "max_prompt_len": _get(recipe, "rollout_max_prompt_len"),
+        "shuffle": bool(_get(recipe, "rollout_shuffle", True)),
+        "seed": int(_get(recipe, "seed", 1234)),
+    }
+
+
+def dataset_from_config(cfg: Any, tokenizer: Any, cache_dir: str | None = None) -> PromptDataset:
+    """The training prompt dataset of a ``TrainConfig`` (``cfg.dataset.prompt_data``)."""
+    ds = _get(cfg, "dataset")
+    url = _get(ds, "prompt_data")
+    if not url:
+        raise ConfigError("dataset.prompt_data is empty: set it to a jsonl/parquet URL or 'builtin:next-digit'")
+    return PromptDataset.from_url(str(url), tokenizer, fmt=_get(ds, "format"), cache_dir=cache_dir,
+                                  **dataset_options(cfg))
+
+
+def eval_dataset_urls(cfg: Any) -> dict[str, str]:
+    """name -> URL of the eval datasets: ``cfg.dataset.eval_prompt_data`` (a dict, or a flat list
+    ``[name, url, name, url, ...]`` as slime writes it) plus ``recipe.eval_config["datasets"]``."""
+    urls: dict[str, str] = {}
+    raw = _get(_get(cfg, "dataset"), "eval_prompt_data") or _get(_get(cfg, "dataset"), "eval_datasets")
+    if isinstance(raw, Mapping):
+        urls.update({str(k): str(v) for k, v in raw.items()})
+    elif isinstance(raw, (list, tuple)):
+        if len(raw) % 2:
+            raise ConfigError(f"eval_prompt_data={raw!r}: must alternate name and URL")
+        urls.update({str(raw[i]): str(raw[i + 1]) for i in range(0, len(raw), 2)})
+    eval_config = _get(_get(cfg, "recipe"), "eval_config") or {}
+    for entry in eval_config.get("datasets", []) if isinstance(eval_config, Mapping) else []:
+        if not isinstance(entry, Mapping) or "name" not in entry or "path" not in entry:
+            raise ConfigError(f"eval_config datasets entry {entry!r}: needs 'name' and 'path'")
+        urls[str(entry["name"])] = str(entry["path"])
+    return urls
+
+
+def load_eval_datasets(
+    urls: Mapping[str, str], tokenizer: Any, cache_dir: str | None = None, **options: Any
+) -> dict[str, PromptDataset]:
+    """Eval datasets (name -> URL) loaded like the training data, in file order (never shuffled)."""
+    options = {**options, "shuffle": False}
+    return {name: PromptDataset.from_url(url, tokenizer, cache_dir=cache_dir, **options) for name, url in urls.items()}

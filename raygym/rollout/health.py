@@ -1,0 +1,348 @@
+"""Engine health for the rollout manager: routed requests with retry, failure handling, restarts,
+and the periodic ``/health_generate`` monitor.
+
+:class:`EnginePool` is the manager's only door to the engines. ``request(payload)`` picks an engine
+through the :class:`~raygym.rollout.router.Router`, posts ``/generate`` and, with fault tolerance
+on, retries a request whose engine failed (connection error, timeout, 5xx) on another healthy
+engine — the caller's sample slot is filled exactly once. The failed engine is marked unhealthy
+and restarted in the background (``EngineActor.restart()``); it returns to the router only after
+it holds the current weights: either ``mark_engine_synced(i, version)`` from the driver (see
+``engines_needing_weights()``), or a ``resync`` callback given to the pool.
+
+:class:`HealthMonitor` probes every healthy engine's ``/health_generate`` every ``interval`` s with
+``timeout``, starting ``first_wait`` s after it was first activated, and only while active (the
+manager activates it during generate/eval; colocated engines release memory while trainers run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from raygym.errors import RaygymError
+from raygym.rollout.router import DEAD, NoHealthyEngineError, Router
+
+log = logging.getLogger(__name__)
+
+ClientFactory = Callable[[str], Any]  # base_url -> EngineClient-like (async generate/health_generate/...)
+Resync = Callable[[int], Awaitable[int]]  # engine index -> weight version it holds after the sync
+
+
+class EngineRequestError(RaygymError):
+    """The engine answered, but rejected the request (4xx): retrying elsewhere would not help."""
+
+
+def default_client_factory(timeout: float | None) -> ClientFactory:
+    def make(url: str) -> Any:
+        from raygym.rollout.client import EngineClient
+
+        return EngineClient(url) if timeout is None else EngineClient(url, timeout=timeout)
+
+    return make
+
+
+def _status_code(exc: BaseException) -> int | None:
+    """The HTTP status of an error the engine answered with (EngineHTTPError.status, httpx's response)."""
+    for code in (getattr(exc, "status", None), getattr(getattr(exc, "response", None), "status_code", None)):
+        if isinstance(code, int):
+            return code
+    return None
+
+
+class HealthMonitor:
+    """Calls ``check(i) -> bool`` for every engine in ``targets()`` every ``interval`` s, starting
+    ``first_wait`` s after the first :meth:`activate`, only while active. ``check`` itself bounds
+    its time and reports a failure (see :meth:`EnginePool.check_engine`)."""
+
+    def __init__(
+        self,
+        check: Callable[[int], Awaitable[bool]],
+        targets: Callable[[], list[int]],
+        *,
+        interval: float,
+        first_wait: float,
+    ) -> None:
+        self._check, self._targets = check, targets
+        self.interval, self.first_wait = interval, first_wait
+        self._active = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.checks = 0  # completed check rounds
+
+    def activate(self) -> None:
+        """Start (or resume) checking; the first check waits ``first_wait`` s after the first activation."""
+        self._active.set()
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="raygym-health-monitor")
+
+    def deactivate(self) -> None:
+        self._active.clear()
+
+    async def check_once(self) -> dict[int, bool]:
+        """Check every target engine now. Returns index -> healthy."""
+        targets = self._targets()
+        results = await asyncio.gather(*(self._check(i) for i in targets))
+        self.checks += 1
+        return dict(zip(targets, results, strict=True))
+
+    async def _run(self) -> None:
+        await self._active.wait()
+        await asyncio.sleep(self.first_wait)
+        while True:
+            await self._active.wait()
+            await self.check_once()
+            await asyncio.sleep(self.interval)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+
+class EnginePool:
+    """Clients, router, retries and recovery for a list of ``EngineActor`` handles.
+
+    ``engines`` are Ray actor handles (``url``, ``restart``, ``health_generate`` remote methods) or any
+    objects whose methods have ``.remote(...)`` returning awaitables. Call :meth:`start` inside the
+    event loop that will use the pool.
+    """
+
+    def __init__(
+        self,
+        engines: list[Any],
+        *,
+        fault_tolerance: bool = True,
+        weight_version: int = 0,
+        client_factory: ClientFactory | None = None,
+        request_timeout: float | None = None,
+        health_interval: float = 30.0,
+        health_timeout: float = 30.0,
+        health_first_wait: float = 300.0,
+        resync: Resync | None = None,
+        no_engine_timeout: float = 600.0,
+        max_attempts: int | None = None,
+    ) -> None:
+        if not engines:
+            raise RaygymError("EnginePool needs at least one engine")
+        self.engines = list(engines)
+        self.fault_tolerance = fault_tolerance
+        self.router = Router(len(engines), weight_version)
+        self.urls: list[str] = [""] * len(engines)
+        self.clients: list[Any] = [None] * len(engines)
+        self._make_client = client_factory or default_client_factory(request_timeout)
+        self._resync = resync
+        self.no_engine_timeout = no_engine_timeout
+        self.max_attempts = max_attempts or 2 * len(engines) + 2
+        self._changed = asyncio.Event()  # set whenever an engine's state changes
+        self._recoveries: dict[int, asyncio.Task[None]] = {}
+        self.failures: list[dict[str, Any]] = []  # one entry per detected engine failure
+        self.incarnation = [0] * len(engines)  # bumped on every restart: stale failure reports are ignored
+        self._last_success = [0.0] * len(engines)  # monotonic time of each engine's last good answer
+        self.retries = 0  # requests re-sent after an engine failure or abort
+        self.busy_checks = 0  # health probes that timed out on a busy but responsive engine
+        self.health_timeout = health_timeout
+        self.monitor = HealthMonitor(self.check_engine, self.router.healthy,
+                                     interval=health_interval, first_wait=health_first_wait)
+
+    async def start(self) -> None:
+        urls = await asyncio.gather(*(e.url.remote() for e in self.engines))
+        for i, url in enumerate(urls):
+            self._set_url(i, url)
+
+    def _set_url(self, i: int, url: str) -> None:
+        self.urls[i] = url
+        self.clients[i] = self._make_client(url)
+
+    async def check_engine(self, i: int) -> bool:
+        """Probe engine ``i``'s ``/health_generate`` within ``health_timeout``; report it if it failed.
+
+        A loaded engine may answer late (the probe queues behind the batch it is generating), so
+        a probe that timed out counts as a failure only if the engine also finished no real request
+        meanwhile and, when it has requests in flight, its plain ``/health`` does not answer either
+        (busy, not dead). A refused connection (process gone) fails at once."""
+        incarnation, started = self.incarnation[i], time.monotonic()
+        client = self.clients[i]
+        timed_out = False
+        try:
+            ok = await asyncio.wait_for(client.health_generate(), self.health_timeout)
+            reason = "unhealthy answer"
+        except asyncio.TimeoutError:
+            ok, timed_out, reason = False, True, f"no answer in {self.health_timeout:.0f}s"
+        except Exception as e:  # the probe failing in any way means the engine cannot serve
+            ok, reason = False, f"{type(e).__name__}: {e}"
+        if ok is not False or self._last_success[i] >= started:
+            return True
+        if timed_out and self.router.outstanding(i) > 0 and await self._answers_health(client):
+            self.busy_checks += 1
+            return True
+        await self.report_failure(i, f"/health_generate failed ({reason})", incarnation)
+        return False
+
+    async def _answers_health(self, client: Any) -> bool:
+        try:
+            return bool(await asyncio.wait_for(client.health(), min(self.health_timeout, 10.0)))
+        except Exception:  # no answer at all: not merely busy
+            return False
+
+    def engine_name(self, i: int) -> str:
+        return f"engine {i} ({self.urls[i]})"
+
+    # --- requests -------------------------------------------------------------------------------
+
+    async def _acquire(self, exclude: set[int]) -> int:
+        deadline = time.monotonic() + self.no_engine_timeout
+        while True:
+            try:
+                return self.router.acquire(exclude=exclude)
+            except NoHealthyEngineError:
+                if exclude and self.router.healthy():
+                    exclude = set()  # only the excluded engines are left: allow them again
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NoHealthyEngineError(
+                        f"no healthy rollout engine for {self.no_engine_timeout:.0f}s; engines needing "
+                        f"weights {self.router.needing_weights()} (the driver must call mark_engine_synced), "
+                        f"dead {[i for i in range(self.router.num_engines) if self.router.state(i) == DEAD]}"
+                    ) from None
+                self._changed.clear()
+                try:
+                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+                except asyncio.TimeoutError:
+                    pass
+
+    async def request(
+        self, payload: dict[str, Any], trace: dict[str, Any] | None = None
+    ) -> tuple[int, dict[str, Any]]:
+        """POST ``payload`` to ``/generate`` on a routed engine; returns ``(engine index, response)``.
+
+        With fault tolerance a failed engine's request is retried elsewhere; without it the failure
+        raises :class:`RaygymError` naming the engine. A response that finished with ``abort`` (an
+        engine paused or aborted it) is re-sent too."""
+        exclude: set[int] = set()
+        for attempt in range(1, self.max_attempts + 1):
+            i = await self._acquire(exclude)
+            incarnation = self.incarnation[i]
+            if trace is not None:
+                trace.update(engine=i, attempts=attempt, sent=time.time())
+            try:
+                response = await self.clients[i].generate(payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                code = _status_code(e)
+                if code is not None and 400 <= code < 500:
+                    raise EngineRequestError(f"{self.engine_name(i)} rejected the request: {e}") from e
+                if not self.fault_tolerance:
+                    raise RaygymError(
+                        f"rollout {self.engine_name(i)} failed: {type(e).__name__}: {e}; "
+                        "set use_fault_tolerance=True to retry on other engines"
+                    ) from e
+                await self.report_failure(i, f"request failed ({type(e).__name__}: {e})", incarnation)
+                exclude.add(i)
+                self.retries += 1
+                continue
+            finally:
+                self.router.release(i)
+            self._last_success[i] = time.monotonic()
+            responses = response if isinstance(response, list) else [response]
+            aborted = any(_finish_type(r) == "abort" for r in responses)
+            if not aborted:
+                return i, response
+            if not self.fault_tolerance:
+                raise RaygymError(f"rollout {self.engine_name(i)} aborted a request; set use_fault_tolerance=True "
+                                  "to retry aborted requests on other engines")
+            exclude.add(i)
+            self.retries += 1
+        raise RaygymError(f"a rollout request failed on {self.max_attempts} attempts; last on {self.engine_name(i)}")
+
+    async def abort_all(self) -> None:
+        """Ask every healthy engine to abort what it is still generating (best effort)."""
+
+        async def abort(i: int) -> None:
+            try:
+                await self.clients[i].abort_request(abort_all=True)
+            except Exception as e:  # the engine may be mid-restart; nothing to abort there
+                log.debug("abort on %s failed: %s", self.engine_name(i), e)
+
+        await asyncio.gather(*(abort(i) for i in self.router.healthy()))
+
+    # --- failures and recovery -----------------------------------------------------------------
+
+    async def report_failure(self, i: int, reason: str, incarnation: int | None = None) -> None:
+        """Engine ``i`` failed: take it out of rotation and restart it in the background (once).
+
+        ``incarnation``: the engine's restart count when the failing call began; a report about an
+        incarnation that was already replaced is ignored."""
+        if incarnation is not None and incarnation != self.incarnation[i]:
+            return
+        if not self.router.mark_unhealthy(i):
+            return
+        self.failures.append({"engine": i, "url": self.urls[i], "reason": reason, "time": time.time()})
+        log.warning("rollout %s failed: %s; restarting it", self.engine_name(i), reason)
+        self._changed.set()
+        if self.fault_tolerance and i not in self._recoveries:
+            self._recoveries[i] = asyncio.create_task(self._recover(i), name=f"raygym-restart-engine-{i}")
+
+    async def _recover(self, i: int, attempts: int = 3) -> None:
+        try:
+            for attempt in range(1, attempts + 1):
+                try:
+                    await self.engines[i].restart.remote()
+                    self._set_url(i, await self.engines[i].url.remote())
+                    self.incarnation[i] += 1
+                    break
+                except Exception as e:  # the actor may need a moment; try again, then give up
+                    log.warning("restart of %s failed (attempt %d): %s", self.engine_name(i), attempt, e)
+                    if attempt == attempts:
+                        self.failures.append({"engine": i, "url": self.urls[i], "time": time.time(),
+                                              "reason": f"restart failed: {e}"})
+                        return
+                    await asyncio.sleep(1.0)
+            self.router.mark_restarted(i)
+            if self._resync is not None:
+                self.router.mark_ready(i, await self._resync(i))
+            self._changed.set()
+        finally:
+            self._recoveries.pop(i, None)
+
+    async def wait_for_recoveries(self) -> None:
+        """Wait until every restart started so far has finished."""
+        while self._recoveries:
+            await asyncio.gather(*list(self._recoveries.values()), return_exceptions=True)
+
+    def engines_needing_weights(self) -> list[int]:
+        """Restarted engines that must receive the current weights before they get traffic."""
+        return self.router.needing_weights()
+
+    def mark_engine_synced(self, i: int, weight_version: int) -> bool:
+        """The driver pushed ``weight_version`` to engine ``i``; it serves again if that is current."""
+        ready = self.router.mark_ready(i, weight_version)
+        if ready:
+            self._changed.set()
+        return ready
+
+    def set_weight_version(self, version: int) -> None:
+        self.router.set_weight_version(version)
+
+    async def close(self) -> None:
+        await self.monitor.stop()
+        for task in list(self._recoveries.values()):
+            task.cancel()
+        await asyncio.gather(*self._recoveries.values(), return_exceptions=True)
+        for client in self.clients:
+            close = getattr(client, "aclose", None) or getattr(client, "close", None)
+            if close is not None:
+                result = close()
+                if asyncio.iscoroutine(result):
+                    await result
+
+
+def _finish_type(response: Any) -> str | None:
+    if not isinstance(response, dict):
+        return None
+    reason = (response.get("meta_info") or {}).get("finish_reason")
+    return reason.get("type") if isinstance(reason, dict) else reason

@@ -1,0 +1,440 @@
+"""RolloutManager: prompts -> routed ``/generate`` requests -> samples -> rewards -> kept groups.
+
+A plain class with async methods: the driver wraps it as an async Ray actor, tests call it
+directly. Use ONE event loop for a manager's whole life (its HTTP clients and health monitor are
+bound to it).
+
+Per step (:meth:`RolloutManager.generate`) it returns ``rollout_batch_size`` groups of
+``n_samples_per_prompt`` samples, contiguous, ordered by the data order of their prompts
+(``group_index`` 0..B-1, ``sample_index`` 0..n-1). Every sample is one HTTP request, routed by
+least outstanding requests; rewards are scored as samples finish (per group for batched reward
+functions), off the event loop.
+
+DAPO dynamic sampling (``dynamic_sampling_filter_path``): each round samples
+``max(over_sampling_batch_size, groups still missing)`` prompts (slime's meaning: the prompts per
+sampling round, validated >= ``rollout_batch_size``; unset = just the missing ones); groups the
+predicate rejects are dropped;
+once ``rollout_batch_size`` groups are kept, what is still in flight is cancelled and aborted on the
+engines. Prompts of aborted groups are consumed (the data position moved past them). After
+``max_sampling_rounds`` rounds without enough groups it raises :class:`RaygymError`.
+
+Hooks (callables or ``"pkg.mod:fn"`` import paths, sync or async):
+
+- ``custom_generate_function(args, sample, sampling_params, generate) -> Sample`` replaces one
+  sample's generation (multi-turn, tools). ``args`` is the ``TrainConfig``; ``sample`` arrives with
+  its prompt fields set; ``generate(input_ids: list[int], sampling_params: dict) -> dict`` is an
+  async function that sends one routed (and, with fault tolerance, retried) ``/generate`` request
+  and returns the engine's JSON answer (``text``, ``output_ids``, ``meta_info`` with
+  ``output_token_logprobs`` and ``finish_reason``). The function returns the sample with
+  ``response_tokens``, ``response_text``, ``rollout_log_probs`` and ``loss_mask`` (one entry per
+  response token: 1 = policy token, 0 = tool/user token) and ``finish_reason`` filled.
+- ``rollout_function(args, rollout_id, manager) -> list[Sample]`` replaces the whole step; it may
+  use ``manager.dataset``, ``manager.sampling_params()`` and ``await manager.generate_group(row, params)``.
+
+Custom post-processing (``custom_reward_post_process_function``) runs on the final batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from raygym.data import (
+    PromptDataset,
+    PromptRow,
+    dataset_from_config,
+    dataset_options,
+    eval_dataset_urls,
+    load_eval_datasets,
+)
+from raygym.errors import ConfigError, RaygymError
+from raygym.rewards import RewardModel, load_callable, pass_at_k, reward_model_from_config
+from raygym.rollout.filters import GroupFilter, load_group_filter
+from raygym.rollout.health import ClientFactory, EnginePool, Resync
+from raygym.types import Sample
+
+
+def _field(cfg: Any, name: str, default: Any = None) -> Any:
+    recipe = getattr(cfg, "recipe", None)
+    value = getattr(recipe, name, None) if recipe is not None else None
+    return default if value is None else value
+
+
+@dataclass
+class RolloutSettings:
+    """The recipe fields the rollout manager reads (spec names and defaults)."""
+
+    rollout_batch_size: int = 16
+    n_samples_per_prompt: int = 8
+    rollout_temperature: float = 1.0
+    rollout_top_p: float = 1.0
+    rollout_stop_token_ids: list[int] | None = None
+    rollout_max_response_len: int = 4096
+    sglang_request_params: dict[str, Any] = field(default_factory=dict)
+    over_sampling_batch_size: int = 0  # prompts per dynamic-sampling round (0 = only the missing groups)
+    dynamic_sampling_filter_path: Any = None
+    n_samples_per_eval_prompt: int = 4
+    eval_max_response_len: int = 4096
+    eval_top_p: float = 1.0
+    use_fault_tolerance: bool = True
+    rollout_health_check_interval: float = 30.0
+    rollout_health_check_timeout: float = 30.0
+    rollout_health_check_first_wait: float = 300.0
+    capture_trace: bool = False
+    trace_sample_limit: int = 16
+    custom_generate_function: Any = None
+    rollout_function: Any = None
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> RolloutSettings:
+        """Read every field from ``cfg.recipe``; unset (None) fields keep the defaults above."""
+        defaults = cls()
+        values = {name: _field(cfg, name, getattr(defaults, name)) for name in cls.__dataclass_fields__}
+        settings = cls(**values)
+        if settings.rollout_batch_size <= 0 or settings.n_samples_per_prompt <= 0:
+            raise ConfigError(
+                f"rollout_batch_size={settings.rollout_batch_size}, n_samples_per_prompt="
+                f"{settings.n_samples_per_prompt}: both must be positive ints"
+            )
+        return settings
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def _finish_type(meta: dict[str, Any]) -> str:
+    reason = meta.get("finish_reason")
+    if isinstance(reason, dict):
+        return str(reason.get("type") or "")
+    return str(reason or "")
+
+
+def _weight_version(meta: dict[str, Any], default: int) -> int:
+    try:
+        return int(meta["weight_version"])
+    except (KeyError, TypeError, ValueError):
+        return default
+
+
+class RolloutManager:
+    """Generates each step's samples and the eval metrics over a list of ``EngineActor`` handles.
+
+    >>> manager = RolloutManager(cfg, engines, tokenizer_path)            # doctest: +SKIP
+    >>> samples = await manager.generate(rollout_id=0, weight_version=0)  # doctest: +SKIP
+    >>> manager.metrics()["rollout/reward_mean"]                           # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        engine_handles: list[Any],
+        tokenizer_path: str,
+        *,
+        client_factory: ClientFactory | None = None,
+        resync: Resync | None = None,
+        dataset: PromptDataset | None = None,
+        eval_datasets: dict[str, PromptDataset] | None = None,
+        reward_model: RewardModel | None = None,
+        data_cache_dir: str | None = None,
+        request_timeout: float | None = None,
+        max_sampling_rounds: int = 8,
+        pass_threshold: float = 1.0,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.settings = RolloutSettings.from_config(cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.dataset = dataset if dataset is not None else dataset_from_config(cfg, self.tokenizer, data_cache_dir)
+        if eval_datasets is None:
+            options = {k: v for k, v in dataset_options(cfg).items() if k != "shuffle"}
+            eval_datasets = load_eval_datasets(eval_dataset_urls(cfg), self.tokenizer, data_cache_dir, **options)
+        self.eval_datasets = eval_datasets
+        self.rewards = reward_model or reward_model_from_config(cfg)
+        self.group_filter: GroupFilter | None = load_group_filter(self.settings.dynamic_sampling_filter_path)
+        self._custom_generate = load_callable(self.settings.custom_generate_function, "custom_generate_function")
+        self._rollout_function = load_callable(self.settings.rollout_function, "rollout_function")
+        s = self.settings
+        self.pool = EnginePool(
+            engine_handles,
+            fault_tolerance=s.use_fault_tolerance,
+            client_factory=client_factory,
+            request_timeout=request_timeout,
+            health_interval=s.rollout_health_check_interval,
+            health_timeout=s.rollout_health_check_timeout,
+            health_first_wait=s.rollout_health_check_first_wait,
+            resync=resync,
+        )
+        self.max_sampling_rounds = max_sampling_rounds
+        self.pass_threshold = pass_threshold  # a sample "passes" for pass@k when reward >= this
+        self.weight_version = 0
+        self._started = False
+        self._metrics: dict[str, float] = {}
+        self._seen: list[Sample] = []  # every sample generated this step (kept or not)
+        self._trace_budget = 0
+
+    # --- lifecycle and driver-facing state -----------------------------------------------------
+
+    async def _ensure_started(self) -> None:
+        if not self._started:
+            await self.pool.start()
+            self._started = True
+
+    async def close(self) -> None:
+        await self.pool.close()
+        self.rewards.close()
+
+    def engines_needing_weights(self) -> list[int]:
+        """Engines restarted after a failure that must receive the current weights (then call
+        :meth:`mark_engine_synced`)."""
+        return self.pool.engines_needing_weights()
+
+    def mark_engine_synced(self, engine_index: int, weight_version: int) -> bool:
+        """Return a restarted engine to the router; True if ``weight_version`` is the current one."""
+        return self.pool.mark_engine_synced(engine_index, weight_version)
+
+    def engine_states(self) -> list[str]:
+        """``healthy`` | ``dead`` | ``needs_weights`` per engine (push weights to the non-dead ones)."""
+        return [self.pool.router.state(i) for i in range(self.pool.router.num_engines)]
+
+    def data_state(self) -> dict[str, Any]:
+        """The training data position, for checkpoints."""
+        return {"train": self.dataset.state_dict()}
+
+    def load_data_state(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state["train"])
+
+    def metrics(self) -> dict[str, float]:
+        """Metrics of the last :meth:`generate` (``rollout/*``)."""
+        return dict(self._metrics)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def sampling_params(self, evaluation: bool = False) -> dict[str, Any]:
+        """SGLang ``sampling_params`` for rollout (or eval), ``sglang_request_params`` merged last."""
+        s = self.settings
+        params: dict[str, Any] = {
+            "temperature": s.rollout_temperature,
+            "top_p": s.eval_top_p if evaluation else s.rollout_top_p,
+            "max_new_tokens": s.eval_max_response_len if evaluation else s.rollout_max_response_len,
+        }
+        if s.rollout_stop_token_ids:
+            params["stop_token_ids"] = list(s.rollout_stop_token_ids)
+        params.update(s.sglang_request_params or {})
+        return params
+
+    async def _send(self, input_ids: list[int], sampling_params: dict[str, Any],
+                    trace: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+        payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params), "return_logprob": True}
+        return await self.pool.request(payload, trace)
+
+    def _fill(self, sample: Sample, response: dict[str, Any], engine: int) -> None:
+        meta = response.get("meta_info") or {}
+        logprobs = meta.get("output_token_logprobs")
+        if logprobs:  # [[logprob, token_id, text-or-null], ...]
+            sample.response_tokens = [int(entry[1]) for entry in logprobs]
+            sample.rollout_log_probs = [float(entry[0]) for entry in logprobs]
+        else:
+            sample.response_tokens = [int(t) for t in response.get("output_ids") or []]
+            sample.rollout_log_probs = []
+        text = response.get("text")
+        sample.response_text = text if isinstance(text, str) else self.tokenizer.decode(
+            sample.response_tokens, skip_special_tokens=True)
+        sample.loss_mask = [1] * len(sample.response_tokens)
+        sample.finish_reason = _finish_type(meta)
+        sample.status = "truncated" if sample.finish_reason == "length" else "completed"
+        sample.weight_version = _weight_version(meta, self.weight_version)
+        sample.engine = self.pool.engine_name(engine)
+
+    async def _generate_sample(self, sample: Sample, params: dict[str, Any], score_now: bool) -> None:
+        trace = None
+        if self._trace_budget > 0:
+            self._trace_budget -= 1
+            trace = {"queued": time.time()}
+        if self._custom_generate is None:
+            engine, response = await self._send(sample.prompt_tokens, params, trace)
+            self._fill(sample, response, engine)
+        else:
+            async def generate(input_ids: list[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
+                return (await self._send(input_ids, sampling_params, trace))[1]
+
+            result = await _maybe_await(self._custom_generate(self.cfg, sample, dict(params), generate))
+            if not isinstance(result, Sample):
+                raise RaygymError(f"custom_generate_function returned {type(result).__name__}; it must return the Sample")
+            if result is not sample:
+                sample.__dict__.update(result.__dict__)
+            mask = sample.effective_loss_mask()
+            if len(mask) != sample.response_length:
+                raise RaygymError(f"custom_generate_function: loss_mask has {len(mask)} entries for "
+                                  f"{sample.response_length} response tokens; give one per response token")
+            if sample.status == "pending":
+                sample.status = "truncated" if sample.finish_reason == "length" else "completed"
+        if trace is not None:
+            trace["done"] = time.time()
+            sample.trace = trace
+        if score_now:
+            await self.rewards.score([sample])
+
+    async def generate_group(self, row: PromptRow, params: dict[str, Any], n: int | None = None) -> list[Sample]:
+        """Generate and score ``n`` (default ``n_samples_per_prompt``) samples for one prompt."""
+        n = n or self.settings.n_samples_per_prompt
+        samples = [
+            Sample(prompt=row.prompt, prompt_tokens=list(row.prompt_tokens), group_index=-1, sample_index=j,
+                   data_index=row.data_index, label=row.label, metadata=dict(row.metadata),
+                   weight_version=self.weight_version)
+            for j in range(n)
+        ]
+        batched = self.rewards.convention == "batched"
+        await asyncio.gather(*(self._generate_sample(s, params, score_now=not batched) for s in samples))
+        if batched:
+            await self.rewards.score(samples)
+        self._seen.extend(samples)
+        return samples
+
+    # --- one training step ---------------------------------------------------------------------
+
+    async def generate(self, rollout_id: int, weight_version: int | None = None) -> list[Sample]:
+        """``rollout_batch_size`` x ``n_samples_per_prompt`` scored samples for step ``rollout_id``.
+
+        ``weight_version``: the policy version the engines serve now (default: unchanged)."""
+        await self._ensure_started()
+        if weight_version is not None:
+            self.weight_version = weight_version
+            self.pool.set_weight_version(weight_version)
+        self._seen = []
+        self._trace_budget = self.settings.trace_sample_limit if self.settings.capture_trace else 0
+        self.pool.router.reset_counts()
+        failures_before, retries_before = len(self.pool.failures), self.pool.retries
+        if self.settings.use_fault_tolerance:
+            self.pool.monitor.activate()
+        start = time.monotonic()
+        stats: dict[str, int] = {"kept": 0, "dropped": 0, "surplus": 0, "aborted": 0, "rounds": 0}
+        try:
+            if self._rollout_function is not None:
+                samples = list(await _maybe_await(self._rollout_function(self.cfg, rollout_id, self)))
+            else:
+                groups = await self._collect_groups(self.sampling_params(), stats)
+                samples = []
+                for g, group in enumerate(groups):
+                    for s in group:
+                        s.group_index = g
+                    samples.extend(group)
+            self.rewards.post_process(samples)
+        finally:
+            self.pool.monitor.deactivate()
+        elapsed = time.monotonic() - start
+        self._metrics = self._step_metrics(samples, elapsed, stats, len(self.pool.failures) - failures_before,
+                                           self.pool.retries - retries_before)
+        return samples
+
+    async def _collect_groups(self, params: dict[str, Any], stats: dict[str, int]) -> list[list[Sample]]:
+        target = self.settings.rollout_batch_size
+        round_size = (self.settings.over_sampling_batch_size or 0) if self.group_filter is not None else 0
+        kept: list[tuple[tuple[int, int], list[Sample]]] = []
+        for round_index in range(self.max_sampling_rounds):
+            need = target - len(kept)
+            if need <= 0:
+                break
+            stats["rounds"] += 1
+            rows = self.dataset.next_batch(max(need, round_size))
+            tasks = {asyncio.create_task(self.generate_group(row, params)): (round_index, pos)
+                     for pos, row in enumerate(rows)}
+            pending: set[asyncio.Task[list[Sample]]] = set(tasks)
+            try:
+                while pending:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for task in sorted(done, key=tasks.__getitem__):
+                        group = task.result()
+                        if len(kept) >= target:
+                            stats["surplus"] += 1
+                        elif self.group_filter is None or self.group_filter(group):
+                            kept.append((tasks[task], group))
+                        else:
+                            stats["dropped"] += 1
+                    if len(kept) >= target and pending:
+                        stats["aborted"] += len(pending)
+                        break
+            finally:
+                if pending:
+                    for task in pending:
+                        task.cancel()
+                    await asyncio.gather(*pending, return_exceptions=True)
+                    await self.pool.abort_all()
+        if len(kept) < target:
+            raise RaygymError(
+                f"dynamic sampling kept {len(kept)} of rollout_batch_size={target} groups after "
+                f"{self.max_sampling_rounds} rounds ({stats['dropped']} dropped by dynamic_sampling_filter_path="
+                f"{self.settings.dynamic_sampling_filter_path!r}); raise over_sampling_batch_size or relax the filter"
+            )
+        kept.sort(key=lambda item: item[0])
+        stats["kept"] = len(kept)
+        return [group for _, group in kept]
+
+    def _step_metrics(self, samples: Sequence[Sample], elapsed: float, stats: dict[str, int],
+                      failures: int, retries: int) -> dict[str, float]:
+        rewards = [float(s.reward or 0.0) for s in samples]
+        lengths = [s.response_length for s in samples]
+        mean = sum(rewards) / len(rewards) if rewards else 0.0
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)) if rewards else 0.0
+        generated = sum(s.response_length for s in self._seen) if self._seen else sum(lengths)
+        metrics: dict[str, float] = {
+            "rollout/reward_mean": mean,
+            "rollout/reward_std": std,
+            "rollout/response_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
+            "rollout/response_len_max": float(max(lengths, default=0)),
+            "rollout/truncated_frac": (sum(s.finish_reason == "length" for s in samples) / len(samples)
+                                       if samples else 0.0),
+            "rollout/reward_errors": float(sum(s.reward_error is not None for s in (self._seen or samples))),
+            "rollout/generated_tokens": float(generated),
+            "rollout/tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
+            "rollout/samples": float(len(samples)),
+            "rollout/engine_failures": float(failures),
+            "rollout/request_retries": float(retries),
+            "perf/rollout_time": elapsed,
+        }
+        if self.group_filter is not None:
+            metrics.update({
+                "rollout/dynamic_kept_groups": float(stats["kept"]),
+                "rollout/dynamic_dropped_groups": float(stats["dropped"]),
+                "rollout/dynamic_aborted_groups": float(stats["aborted"] + stats["surplus"]),
+                "rollout/dynamic_rounds": float(stats["rounds"]),
+            })
+        for i, count in enumerate(self.pool.router.request_counts()):
+            metrics[f"rollout/engine{i}_requests"] = float(count)
+        return metrics
+
+    # --- eval ------------------------------------------------------------------------------------
+
+    async def evaluate(self, rollout_id: int) -> dict[str, float]:
+        """Every eval prompt x ``n_samples_per_eval_prompt`` with eval sampling settings; per dataset
+        ``eval/<name>/reward_mean``, ``eval/<name>/pass@<k>`` (k = n, unbiased), ``pass@1``,
+        ``response_len_mean`` and ``truncated_frac``."""
+        await self._ensure_started()
+        n = self.settings.n_samples_per_eval_prompt
+        params = self.sampling_params(evaluation=True)
+        out: dict[str, float] = {}
+        self._trace_budget = 0
+        if self.settings.use_fault_tolerance:
+            self.pool.monitor.activate()
+        try:
+            for name, dataset in self.eval_datasets.items():
+                groups = await asyncio.gather(*(self.generate_group(dataset[i], params, n)
+                                                for i in range(len(dataset))))
+                samples = [s for g in groups for s in g]
+                correct = [sum(float(s.reward or 0.0) >= self.pass_threshold for s in g) for g in groups]
+                prefix = f"eval/{name}/"
+                out[prefix + "reward_mean"] = sum(float(s.reward or 0.0) for s in samples) / len(samples)
+                out[prefix + f"pass@{n}"] = sum(pass_at_k(n, c, n) for c in correct) / len(groups)
+                out[prefix + "pass@1"] = sum(pass_at_k(n, c, 1) for c in correct) / len(groups)
+                out[prefix + "response_len_mean"] = sum(s.response_length for s in samples) / len(samples)
+                out[prefix + "truncated_frac"] = sum(s.finish_reason == "length" for s in samples) / len(samples)
+                out[prefix + "reward_errors"] = float(sum(s.reward_error is not None for s in samples))
+        finally:
+            self.pool.monitor.deactivate()
+        return out
