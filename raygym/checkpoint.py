@@ -1,0 +1,310 @@
+"""Checkpoints through fsspec (any URL: local paths, ``memory://``, object stores) and HF export.
+
+Layout of one checkpoint, ``<dir>/iter_{rollout_id:07d}/``:
+
+- ``model.pt``: full (unsharded) model state dict in HF names, fp32 on CPU;
+- ``optimizer.pt``: full optimizer state keyed by parameter name (absent with ``no_save_optim``);
+- ``trainer_state.pt``: LR-schedule state and RNG states (torch, CUDA, python, numpy);
+- ``extra.json``: the caller's JSON state (data position, metrics step, ...);
+- ``hf/``: the HF ``config.json`` and tokenizer files, so ``export_hf`` needs nothing else;
+- ``manifest.json``: written LAST (temp file + rename on local disks), listing every file and its size.
+
+A directory without a manifest, or whose files do not match it, is incomplete (a crash mid-save) and is
+skipped by ``latest_checkpoint`` with a warning. Sharded FSDP state is gathered to rank 0 before
+saving (``TrainerBackend.checkpoint_state``), so a checkpoint loads on any world size.
+
+>>> import torch
+>>> path = save_checkpoint("memory://ckpt-doc", 3, model_state={"w": torch.ones(2)}, extra={"epoch": 1})
+>>> info = latest_checkpoint("memory://ckpt-doc")
+>>> info.rollout_id, load_checkpoint(info.path).extra
+(3, {'epoch': 1})
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+
+from raygym.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = "raygym-checkpoint/1"
+ITER_RE = re.compile(r"^iter_(\d{7,})$")
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: str  # URL of the iter_XXXXXXX directory
+    rollout_id: int
+    manifest: dict[str, Any]
+
+
+@dataclass
+class LoadedCheckpoint:
+    rollout_id: int
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any] | None
+    trainer_state: dict[str, Any]
+    extra: dict[str, Any]
+    path: str
+
+
+def iter_dir_name(rollout_id: int) -> str:
+    return f"iter_{rollout_id:07d}"
+
+
+def _join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *parts])
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+def _write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Local disks: temp file then rename; object stores write whole objects, so a plain write."""
+    if _is_local(fs):
+        tmp = f"{path}.tmp{os.getpid()}"
+        with fs.open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    else:
+        with fs.open(path, "wb") as f:
+            f.write(data)
+
+
+def _torch_save(fs: fsspec.AbstractFileSystem, path: str, obj: Any) -> None:
+    with fs.open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def _torch_load(fs: fsspec.AbstractFileSystem, path: str) -> Any:
+    with fs.open(path, "rb") as f:
+        return torch.load(f, map_location="cpu", weights_only=True)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """RNG states of torch (CPU and CUDA), python ``random`` and numpy, in a weights_only-loadable form."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    dir_url: str,
+    rollout_id: int,
+    *,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any] | None = None,
+    trainer_state: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    hf_source: str | None = None,
+) -> str:
+    """Write checkpoint ``rollout_id`` under ``dir_url`` and return its URL; the manifest goes last.
+
+    ``extra`` must be JSON-serialisable. ``hf_source`` is a local HF model directory whose config and
+    tokenizer files are copied into ``hf/`` (for ``export_hf``).
+    """
+    fs, root = fsspec.core.url_to_fs(dir_url)
+    path = _join(root, iter_dir_name(rollout_id))
+    if fs.exists(_join(path, MANIFEST)):
+        fs.rm(_join(path, MANIFEST))  # overwriting: the old manifest must not vouch for new files
+    fs.makedirs(path, exist_ok=True)
+    _torch_save(fs, _join(path, "model.pt"), model_state)
+    if optimizer_state is not None:
+        _torch_save(fs, _join(path, "optimizer.pt"), optimizer_state)
+    _torch_save(fs, _join(path, "trainer_state.pt"), trainer_state or {})
+    with fs.open(_join(path, "extra.json"), "w") as f:
+        json.dump(extra or {}, f)
+    if hf_source:
+        fs.makedirs(_join(path, "hf"), exist_ok=True)
+        for name in HF_SIDE_FILES:
+            src = Path(hf_source) / name
+            if src.exists():
+                with fs.open(_join(path, "hf", name), "wb") as f:
+                    f.write(src.read_bytes())
+    files = {}
+    for entry in fs.find(path):
+        rel = entry[len(path.rstrip("/")) + 1 :] if entry.startswith(path.rstrip("/")) else entry
+        if rel != MANIFEST and ".tmp" not in rel:
+            files[rel] = int(fs.size(entry))
+    manifest = {
+        "format": FORMAT,
+        "rollout_id": rollout_id,
+        "has_optimizer": optimizer_state is not None,
+        "files": files,
+        "created": time.time(),
+    }
+    _write_bytes_atomic(fs, _join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
+    return fs.unstrip_protocol(path) if not _is_local(fs) else path
+
+
+def _read_manifest(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any] | None:
+    mpath = _join(path, MANIFEST)
+    if not fs.exists(mpath):
+        return None
+    try:
+        with fs.open(mpath, "r") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for rel, size in manifest.get("files", {}).items():
+        full = _join(path, rel)
+        if not fs.exists(full) or int(fs.size(full)) != int(size):
+            return None
+    return manifest
+
+
+def list_checkpoints(dir_url: str) -> list[CheckpointInfo]:
+    """Every COMPLETE checkpoint under ``dir_url``, oldest first; incomplete ones are logged and skipped."""
+    fs, root = fsspec.core.url_to_fs(dir_url)
+    if not fs.exists(root):
+        return []
+    found = []
+    for entry in fs.ls(root, detail=False):
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        match = ITER_RE.match(name)
+        if not match or not fs.isdir(entry):
+            continue
+        manifest = _read_manifest(fs, entry)
+        if manifest is None:
+            log.warning("checkpoint %s is incomplete (no valid manifest); ignoring it", entry)
+            continue
+        url = entry if _is_local(fs) else fs.unstrip_protocol(entry)
+        found.append(CheckpointInfo(url, int(match.group(1)), manifest))
+    return sorted(found, key=lambda c: c.rollout_id)
+
+
+def latest_checkpoint(dir_url: str) -> CheckpointInfo | None:
+    """The newest complete checkpoint under ``dir_url``, or None."""
+    done = list_checkpoints(dir_url)
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: str, *, load_optimizer: bool = True) -> LoadedCheckpoint:
+    """Read one checkpoint directory (a ``CheckpointInfo.path``). ``load_optimizer=False`` = ``no_load_optim``."""
+    fs, root = fsspec.core.url_to_fs(path)
+    manifest = _read_manifest(fs, root)
+    if manifest is None:
+        raise ConfigError(f"load={path!r}: not a complete raygym checkpoint (missing or invalid {MANIFEST})")
+    optim = None
+    if load_optimizer and manifest.get("has_optimizer"):
+        optim = _torch_load(fs, _join(root, "optimizer.pt"))
+    with fs.open(_join(root, "extra.json"), "r") as f:
+        extra = json.load(f)
+    return LoadedCheckpoint(
+        rollout_id=int(manifest["rollout_id"]),
+        model_state=_torch_load(fs, _join(root, "model.pt")),
+        optimizer_state=optim,
+        trainer_state=_torch_load(fs, _join(root, "trainer_state.pt")),
+        extra=extra,
+        path=path,
+    )
+
+
+def resolve_start_rollout_id(start_rollout_id: int | None, loaded_rollout_id: int | None) -> int:
+    """``start_rollout_id`` semantics: an explicit value wins; None continues after the stored step (0 if none)."""
+    if start_rollout_id is not None:
+        return start_rollout_id
+    return 0 if loaded_rollout_id is None else loaded_rollout_id + 1
+
+
+def write_hf_model(model_state: dict[str, torch.Tensor], hf_source: str, out_url: str) -> str:
+    """Write an HF model directory (safetensors + config + tokenizer) from a full HF-named state dict.
+
+    ``hf_source`` is a local directory with ``config.json`` (and tokenizer files). ``out_url`` may be any
+    fsspec URL; the files are written locally first and then uploaded.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf_source)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(model_state, strict=False, assign=True)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ConfigError(
+            f"export: the checkpoint lacks parameters {missing[:5]}; is it a checkpoint of this model?"
+        )
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    fs, root = fsspec.core.url_to_fs(out_url)
+    local = _is_local(fs)
+    target = root if local else tempfile.mkdtemp(prefix="raygym-hf-")
+    model.save_pretrained(target, safe_serialization=True)
+    for name in HF_SIDE_FILES:
+        src = Path(hf_source) / name
+        if name != "config.json" and src.exists():
+            Path(target, name).write_bytes(src.read_bytes())
+    if not local:
+        fs.put(target.rstrip("/") + "/", root, recursive=True)
+        return fs.unstrip_protocol(root)
+    return root
+
+
+def export_hf(checkpoint_dir: str, out_dir: str) -> str:
+    """Export a raygym checkpoint (an ``iter_*`` directory, or a save directory: its newest complete one)
+    as an HF model directory; used by ``raygym export``. Returns ``out_dir``."""
+    fs, root = fsspec.core.url_to_fs(checkpoint_dir)
+    path = checkpoint_dir
+    if not fs.exists(_join(root, MANIFEST)):
+        info = latest_checkpoint(checkpoint_dir)
+        if info is None:
+            raise ConfigError(f"checkpoint_dir={checkpoint_dir!r}: no complete raygym checkpoint found there")
+        path = info.path
+    ckpt = load_checkpoint(path, load_optimizer=False)
+    fs, croot = fsspec.core.url_to_fs(path)
+    with tempfile.TemporaryDirectory(prefix="raygym-hfsrc-") as src:
+        hf_dir = _join(croot, "hf")
+        if not fs.exists(_join(hf_dir, "config.json")):
+            raise ConfigError(f"checkpoint_dir={path!r}: has no hf/config.json; it cannot be exported to HF")
+        for entry in fs.ls(hf_dir, detail=False):
+            with fs.open(entry, "rb") as f:
+                Path(src, entry.rstrip("/").rsplit("/", 1)[-1]).write_bytes(f.read())
+        return write_hf_model(ckpt.model_state, src, out_dir)

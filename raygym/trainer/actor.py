@@ -1,0 +1,144 @@
+"""``TrainerActor``: one trainer rank, Ray-agnostic (the driver wraps it with ``ray.remote``).
+
+The backend is chosen by ``recipe.trainer_backend``: ``"torch"``, ``"megatron"``, or ``"auto"`` (Megatron
+when CUDA is present and ``megatron.core`` imports, else torch). Heavy imports happen in ``init()``.
+
+>>> # actor = TrainerActor(cfg); actor.init(); metrics = actor.train_step(batch, rollout_id=0)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from raygym.errors import ConfigError
+from raygym.trainer.backend import TrainerBackend, TrainerSettings
+
+BACKENDS = ("auto", "torch", "megatron")
+
+
+def choose_backend(name: str) -> str:
+    """Resolve ``trainer_backend`` to ``"torch"`` or ``"megatron"``."""
+    if name not in BACKENDS:
+        raise ConfigError(f"trainer_backend={name!r}: unknown backend; use one of {', '.join(BACKENDS)}")
+    if name != "auto":
+        return name
+    import torch
+
+    if torch.cuda.is_available() and importlib.util.find_spec("megatron") is not None:
+        if importlib.util.find_spec("megatron.core") is not None:
+            return "megatron"
+    return "torch"
+
+
+def make_backend(name: str, settings: TrainerSettings, role: str) -> TrainerBackend:
+    if choose_backend(name) == "megatron":
+        try:
+            from raygym.trainer.megatron_backend import MegatronBackend
+        except ImportError as exc:
+            raise ConfigError(
+                f"trainer_backend={name!r}: the Megatron backend could not be imported ({exc}); "
+                "install raygym[megatron] or set trainer_backend='torch'"
+            ) from exc
+        return MegatronBackend(settings, role=role)
+    from raygym.trainer.torch_backend import TorchBackend
+
+    return TorchBackend(settings, role=role)
+
+
+class TrainerActor:
+    """One rank of the trainer group. ``cfg`` is a ``TrainConfig`` (``cfg.recipe``, ``cfg.model``).
+
+    ``settings`` overrides what is read from ``cfg`` (tests and tools pass ``TrainerSettings`` directly;
+    ``cfg`` may then be None).
+    """
+
+    def __init__(self, cfg: Any = None, role: str = "actor", settings: TrainerSettings | None = None) -> None:
+        if settings is None:
+            if cfg is None:
+                raise ConfigError("TrainerActor: pass a TrainConfig (cfg) or TrainerSettings")
+            settings = TrainerSettings.from_config(cfg)
+        self.cfg = cfg
+        self.role = role
+        self.settings = settings
+        recipe = settings.recipe
+        self.backend_name = getattr(recipe, "trainer_backend", "auto") if recipe is not None else "torch"
+        self.backend: TrainerBackend | None = None
+
+    def _recipe_value(self, name: str, default: Any) -> Any:
+        recipe = self.settings.recipe
+        return getattr(recipe, name, default) if recipe is not None else default
+
+    def init(self) -> dict[str, Any]:
+        self.backend = make_backend(self.backend_name, self.settings, self.role)
+        return self.backend.init()
+
+    def get_rank(self) -> int:
+        return self.backend.rank if self.backend is not None else 0
+
+    def compute_log_probs(self, batch: Any, rollout_id: int = -1) -> dict[str, list]:
+        return self.backend.compute_log_probs(batch, rollout_id)
+
+    def train_step(self, batch: Any, rollout_id: int) -> dict[str, float]:
+        return self.backend.train_step(batch, rollout_id)
+
+    def offload(self) -> None:
+        self.backend.offload()
+
+    def onload(self) -> None:
+        self.backend.onload()
+
+    def save_checkpoint(
+        self, rollout_id: int, extra: dict[str, Any] | None = None, save_dir: str | None = None
+    ) -> str:
+        """Save to ``save_dir`` (default ``recipe.save``); every rank calls, rank 0 writes. Returns the URL."""
+        from raygym.checkpoint import iter_dir_name, save_checkpoint
+
+        target = save_dir or self._recipe_value("save", "")
+        if not target:
+            raise ConfigError("save='': no checkpoint directory; set save to a path or fsspec URL")
+        include_optim = not self._recipe_value("no_save_optim", False)
+        state = self.backend.checkpoint_state(include_optimizer=include_optim)
+        if state is None:  # not rank 0
+            return target.rstrip("/") + "/" + iter_dir_name(rollout_id)
+        return save_checkpoint(
+            target,
+            rollout_id,
+            model_state=state["model"],
+            optimizer_state=state["optimizer"],
+            trainer_state=state["trainer_state"],
+            extra=extra,
+            hf_source=self.backend.model_path,
+        )
+
+    def load_checkpoint(self, load_dir: str | None = None) -> dict[str, Any] | None:
+        """Resume from the newest complete checkpoint in ``load_dir`` (default ``recipe.load``).
+
+        Returns None when there is nothing to load, else ``{"rollout_id", "start_rollout_id", "extra",
+        "path"}``; ``start_rollout_id`` follows the recipe's ``start_rollout_id`` (None = stored + 1).
+        """
+        from raygym.checkpoint import latest_checkpoint, load_checkpoint, resolve_start_rollout_id
+
+        source = load_dir or self._recipe_value("load", "")
+        if not source:
+            return None
+        info = latest_checkpoint(source)
+        if info is None:
+            return None
+        load_optim = not self._recipe_value("no_load_optim", False)
+        ckpt = load_checkpoint(info.path, load_optimizer=load_optim) if self.get_rank() == 0 else None
+        state = None
+        if ckpt is not None:
+            state = {
+                "model": ckpt.model_state,
+                "optimizer": ckpt.optimizer_state,
+                "trainer_state": ckpt.trainer_state,
+            }
+        self.backend.load_checkpoint_state(state, load_optimizer=load_optim)
+        extra = ckpt.extra if ckpt is not None else {}
+        start = resolve_start_rollout_id(self._recipe_value("start_rollout_id", None), info.rollout_id)
+        return {"rollout_id": info.rollout_id, "start_rollout_id": start, "extra": extra, "path": info.path}
+
+    def export_hf(self, path: str) -> str:
+        """Write the current weights as an HF model directory (safetensors + config + tokenizer)."""
+        return self.backend.save_hf(path)

@@ -1,0 +1,539 @@
+"""The torch trainer backend: an HF causal LM, FSDP2 across ranks (gloo on CPU, nccl on GPU).
+
+- Precision: fp32 on CPU; on GPU fp32 master weights with bf16 compute (FSDP2 ``MixedPrecisionPolicy``
+  when sharded, ``torch.autocast`` on one rank).
+- Sharding: with ``WORLD_SIZE > 1`` every decoder layer (the model's ``_no_split_modules``) and then the
+  root get ``fully_shard``. Gradients are summed across ranks by scaling each rank's loss by the world
+  size (FSDP2 averages), so N ranks compute the same update as one.
+- Micro-batches are right-padded ``[b, L]`` batches; every rank runs the same number of forward/backward
+  passes (the count is all-reduced and short ranks run zero-weight dummy passes), as FSDP requires.
+- Activation checkpointing (HF ``gradient_checkpointing_enable``) only when ``torch_recompute`` is set:
+  the recipe's ``recompute_*`` defaults are Megatron's and would slow small torch runs for nothing.
+- Checkpoints: full state gathered to rank 0 (``get_model_state_dict(full_state_dict=True)``) and
+  loaded with ``broadcast_from_rank0``; resume is bit-identical on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raygym.algo.batching import (
+    contiguous_shard,
+    fixed_micro_batches,
+    optimizer_step_slices,
+    pack_micro_batches,
+)
+from raygym.algo.losses import aggregate, entropy_from_logits, kl_loss, policy_loss, tis_weights
+from raygym.errors import ConfigError
+from raygym.trainer.backend import TrainerBackend, TrainerSettings, call_hook, dist_env
+from raygym.trainer.batch import TrainBatch
+from raygym.trainer.optim import LrSchedule, build_optimizer, split_frozen
+
+RATIO_LEVEL = {"gspo": "sequence"}
+SUMMED_METRICS = ("pg_loss", "kl_loss", "entropy", "clipfrac", "approx_kl", "dual_clipfrac", "tis_weight")
+
+
+def resolve_model_path(hf_checkpoint: str) -> str:
+    """A local HF directory for ``hf_checkpoint`` (builtin models are materialised into a cache dir)."""
+    from raygym.builtin import is_builtin, materialize_model
+
+    if not hf_checkpoint:
+        raise ConfigError("hf_checkpoint='': the trainer needs a model; set ModelConfig(hf_checkpoint=...)")
+    if is_builtin(hf_checkpoint):
+        cache = os.environ.get("RAYGYM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "raygym"))
+        return materialize_model(hf_checkpoint, os.path.join(cache, "models"))
+    if not os.path.isdir(hf_checkpoint):
+        raise ConfigError(f"hf_checkpoint={hf_checkpoint!r}: not a local directory; download it first")
+    return hf_checkpoint
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute every decoder layer's activations in backward (transformers 5 name, 4.x fallback)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def pad_stack(rows: list[torch.Tensor], width: int, value: float = 0.0) -> torch.Tensor:
+    """Right-pad 1-D tensors to ``width`` and stack them into ``[len(rows), width]``."""
+    out = torch.full((len(rows), width), value, dtype=rows[0].dtype if rows else torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out
+
+
+class TorchBackend(TrainerBackend):
+    """``TrainerBackend`` on HF transformers + FSDP2. See the module docstring.
+
+    >>> # backend = TorchBackend(TrainerSettings(hf_checkpoint=path, global_batch_size=4)); backend.init()
+    """
+
+    def __init__(self, settings: TrainerSettings, role: str = "actor") -> None:
+        if role != "actor":
+            raise ConfigError(
+                f"role={role!r}: the torch backend trains the actor only (critic not supported yet)"
+            )
+        self.settings = settings
+        self.role = role
+        self.model: torch.nn.Module | None = None
+        self.ref_model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.schedule: LrSchedule | None = None
+        self.model_path = ""
+        self.frozen: list[str] = []
+        self.offloaded = False
+
+    # ---- setup -------------------------------------------------------------------------------------
+    def init(self) -> dict[str, Any]:
+        s = self.settings
+        self.rank, self.world_size, local_rank = dist_env()
+        self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1 and not dist.is_initialized():
+            dist.init_process_group(
+                backend="nccl" if self.device.type == "cuda" else "gloo",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=datetime.timedelta(seconds=s.dist_timeout_s),
+            )
+        torch.manual_seed(s.seed)
+        self.model_path = resolve_model_path(s.hf_checkpoint)
+        self.model = self._load_model(self.model_path, trainable=True)
+        _, self.frozen = split_frozen(self.model.named_parameters(), s.freeze_params_name_list)
+        if s.torch_recompute:
+            enable_activation_checkpointing(self.model)
+        self._shard(self.model)
+        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(
+            trainable,
+            name=s.optimizer,
+            lr=s.lr,
+            weight_decay=s.weight_decay,
+            adam_beta1=s.adam_beta1,
+            adam_beta2=s.adam_beta2,
+        )
+        decay_iters = s.lr_decay_iters if s.lr_decay_iters is not None else s.total_optimizer_steps()
+        self.schedule = LrSchedule(
+            self.optimizer,
+            lr=s.lr,
+            min_lr=s.min_lr,
+            warmup_iters=s.lr_warmup_iters,
+            decay_iters=decay_iters,
+            style=s.lr_decay_style,
+        )
+        if s.uses_reference:
+            ref_path = (
+                s.ref_load
+                if s.ref_load and os.path.isfile(os.path.join(s.ref_load, "config.json"))
+                else self.model_path
+            )
+            self.ref_model = self._load_model(ref_path, trainable=False)
+            self._shard(self.ref_model)
+            self._park_ref()
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "device": str(self.device),
+            "backend": "torch",
+            "num_params": sum(p.numel() for p in self.model.parameters()),
+            "trainable_params": sum(p.numel() for _, p in trainable),
+            "frozen": list(self.frozen),
+            "reference_model": self.ref_model is not None,
+        }
+
+    def _load_model(self, path: str, trainable: bool) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        model.config.use_cache = False
+        model.to(self.device)
+        if not trainable:
+            model.eval()
+            model.requires_grad_(False)
+        return model
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        if self.world_size == 1:
+            return
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.device.type == "cuda"
+            else MixedPrecisionPolicy()
+        )
+        layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+        for module in model.modules():
+            if type(module).__name__ in layer_classes:
+                fully_shard(module, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+
+    def _autocast(self):
+        if self.device.type == "cuda" and self.world_size == 1:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def _response_log_probs(
+        self, model: torch.nn.Module, mb: TrainBatch, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Padded ``[b, R]`` log-probs of each sample's response tokens (and entropies) at temperature."""
+        lengths = mb.total_lengths()
+        ids = pad_stack(mb.tokens, max(lengths), 0).to(self.device)
+        attn = pad_stack([torch.ones(n, dtype=torch.int64) for n in lengths], max(lengths), 0).to(self.device)
+        with self._autocast():
+            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
+        width = max(1, max(mb.response_lengths))
+        # logits at position p-1+j predict response token j (at position p+j)
+        offsets = torch.arange(width, device=self.device)
+        starts = torch.tensor([p - 1 for p in mb.prompt_lengths], device=self.device)
+        pos = (starts[:, None] + offsets[None, :]).clamp(max=ids.shape[1] - 2)
+        rows = torch.arange(len(mb), device=self.device)[:, None]
+        sel = logits[rows, pos].float() / self.settings.rollout_temperature
+        targets = ids[rows, pos + 1]
+        logp = sel.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(sel, dim=-1)
+        entropy = entropy_from_logits(sel) if with_entropy else None
+        return logp, entropy
+
+    def _dummy_pass(self, model: torch.nn.Module, backward: bool) -> None:
+        """A two-token pass so this rank joins the collectives of a micro-batch it does not have."""
+        ids = torch.zeros(1, 2, dtype=torch.int64, device=self.device)
+        with self._autocast():
+            out = model(input_ids=ids, use_cache=False).logits
+        if backward:
+            (out.float().sum() * 0.0).backward()
+
+    def _max_over_ranks(self, value: int) -> int:
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
+        s = self.settings
+        if s.use_dynamic_batch_size:
+            return pack_micro_batches(batch.total_lengths(), s.max_tokens_per_gpu)
+        return fixed_micro_batches(len(batch), s.micro_batch_size)
+
+    # ---- log-probs ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_log_probs(
+        self, batch: TrainBatch, rollout_id: int = -1, *, with_entropy: bool = False
+    ) -> dict[str, list[torch.Tensor]]:
+        batch = call_hook(self.settings, "custom_megatron_before_log_prob_hook", rollout_id, batch)
+        local = batch.select(contiguous_shard(len(batch), self.rank, self.world_size))
+        log_probs, entropy = self._log_probs_of(self.model, local, with_entropy)
+        result: dict[str, list[torch.Tensor]] = {"log_probs": log_probs}
+        if entropy is not None:
+            result["entropy"] = entropy
+        if self.ref_model is not None:
+            self._unpark_ref()
+            result["ref_log_probs"] = self._log_probs_of(self.ref_model, local, False)[0]
+            self._park_ref()
+        if self.world_size > 1:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, result)
+            result = {k: [t for part in gathered for t in part[k]] for k in result}
+        return result
+
+    def _log_probs_of(
+        self, model: torch.nn.Module, local: TrainBatch, with_entropy: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        was_training = model.training
+        model.eval()
+        out: list[Any] = [None] * len(local)
+        ent: list[Any] = [None] * len(local)
+        plan = self._micro_batches(local) if len(local) else []
+        for k in range(self._max_over_ranks(len(plan))):
+            if k >= len(plan):
+                self._dummy_pass(model, backward=False)
+                continue
+            logp, entropy = self._response_log_probs(model, local.select(plan[k]), with_entropy)
+            for row, i in enumerate(plan[k]):
+                n = local.response_lengths[i]
+                out[i] = logp[row, :n].float().cpu()
+                if entropy is not None:
+                    ent[i] = entropy[row, :n].float().cpu()
+        model.train(was_training)
+        return out, (ent if with_entropy else None)
+
+    # ---- training ----------------------------------------------------------------------------------
+    def train_step(self, batch: TrainBatch, rollout_id: int) -> dict[str, float]:
+        s = self.settings
+        t0 = time.perf_counter()
+        if batch.advantages is None:
+            raise ConfigError(
+                "train_step: the batch has no advantages; call batch.with_advantages(...) first"
+            )
+        if batch.old_log_probs is None:
+            batch = batch.with_log_probs(self.compute_log_probs(batch, rollout_id))
+        if s.uses_reference and s.use_kl_loss and batch.ref_log_probs is None:
+            raise ConfigError("use_kl_loss=True: the batch has no ref_log_probs; run compute_log_probs first")
+        if s.global_batch_size % self.world_size != 0:
+            raise ConfigError(
+                f"global_batch_size={s.global_batch_size}: must be a multiple of the {self.world_size} trainer ranks"
+            )
+        batch = call_hook(s, "custom_megatron_before_train_step_hook", rollout_id, batch)
+        self.model.train()
+        totals: dict[str, float] = {}
+        grad_norms, lrs = [], []
+        steps = optimizer_step_slices(len(batch), s.global_batch_size)
+        for step_indices in steps:
+            step_batch = batch.select(step_indices)
+            parts, grad_norm, lr = self._optimizer_step(step_batch)
+            for k, v in parts.items():
+                totals[k] = totals.get(k, 0.0) + v
+            grad_norms.append(grad_norm)
+            lrs.append(lr)
+        metrics = {f"train/{k}": v / len(steps) for k, v in totals.items()}
+        metrics["train/loss"] = (
+            metrics.get("train/pg_loss", 0.0)
+            + s.kl_loss_coef * metrics.get("train/kl_loss", 0.0) * float(s.use_kl_loss)
+            - s.entropy_coef * metrics.get("train/entropy", 0.0)
+        )
+        metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["train/lr"] = lrs[-1]
+        metrics["train/optimizer_steps"] = float(len(steps))
+        metrics.update(advantage_stats(batch))
+        seconds = time.perf_counter() - t0
+        tokens = float(sum(batch.total_lengths()))
+        metrics["perf/train_tokens"] = tokens
+        metrics["perf/train_step_time"] = seconds
+        metrics["perf/train_tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
+        return metrics
+
+    def _optimizer_step(self, step_batch: TrainBatch) -> tuple[dict[str, float], float, float]:
+        s = self.settings
+        per_token = s.calculate_per_token_loss
+        num_samples = len(step_batch)  # global: every rank sees the whole step
+        num_tokens = step_batch.num_loss_tokens()
+        local = step_batch.shard(self.rank, self.world_size, balance=s.balance_data)
+        plan = self._micro_batches(local)
+        n_micro = self._max_over_ranks(len(plan))
+        sums = {k: torch.zeros((), dtype=torch.float64) for k in SUMMED_METRICS}
+        for k in range(n_micro):
+            last = k == n_micro - 1
+            if self.world_size > 1:
+                self.model.set_requires_gradient_sync(last)
+            if k >= len(plan):
+                self._dummy_pass(self.model, backward=True)
+                continue
+            loss, parts = self._micro_batch_loss(local.select(plan[k]), per_token, num_samples, num_tokens)
+            (loss * self.world_size).backward()
+            for name, value in parts.items():
+                sums[name] += float(value)
+        grad_norm = self._clip_gradients()
+        lr = self.schedule.apply()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.advance()
+        vec = torch.stack([sums[k] for k in SUMMED_METRICS])
+        if self.world_size > 1:
+            vec = vec.to(self.device)
+            dist.all_reduce(vec)
+        parts = {k: float(v) for k, v in zip(SUMMED_METRICS, vec.cpu(), strict=True)}
+        if not s.use_tis:
+            parts.pop("tis_weight")
+        if s.eps_clip_c is None:
+            parts.pop("dual_clipfrac")
+        if not s.use_kl_loss:
+            parts.pop("kl_loss")
+        return parts, grad_norm, lr
+
+    def _micro_batch_loss(
+        self, mb: TrainBatch, per_token: bool, num_samples: int, num_tokens: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        s = self.settings
+        logp, entropy = self._response_log_probs(self.model, mb, with_entropy=True)
+        width = logp.shape[1]
+        dev = self.device
+
+        def padded(rows: list[torch.Tensor]) -> torch.Tensor:
+            return pad_stack([r.float() for r in rows], width).to(dev)
+
+        mask = padded(mb.loss_masks)
+        old = padded(mb.old_log_probs)
+        agg = {"per_token": per_token, "num_samples": num_samples, "num_tokens": num_tokens}
+        tis = None
+        if s.use_tis:
+            if mb.rollout_log_probs is None:
+                raise ConfigError(
+                    "use_tis=True: the samples carry no rollout log-probs; the engine must return them"
+                )
+            tis = tis_weights(old, padded(mb.rollout_log_probs), s.tis_clip)
+        pg, metrics = policy_loss(
+            logp,
+            old,
+            padded(mb.advantages),
+            mask,
+            eps_clip=s.eps_clip,
+            eps_clip_high=s.eps_clip_high,
+            eps_clip_c=s.eps_clip_c,
+            tis_weights=tis,
+            ratio_level=RATIO_LEVEL.get(s.advantage_estimator, "token"),
+            **agg,
+        )
+        ent = aggregate(entropy, mask, **agg)
+        loss = pg - s.entropy_coef * ent
+        parts = {"pg_loss": pg.detach(), "entropy": ent.detach(), **metrics}
+        if s.use_kl_loss:
+            kl = kl_loss(logp, padded(mb.ref_log_probs), mask, s.kl_loss_type, **agg)
+            loss = loss + s.kl_loss_coef * kl
+            parts["kl_loss"] = kl.detach()
+        if tis is not None:
+            parts["tis_weight"] = aggregate(tis, mask, **agg)
+        return loss, parts
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.settings.clip_grad > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.settings.clip_grad)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # ---- weights, memory, checkpoints ----------------------------------------------------------------
+    def iter_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+        for name, tensor in self.model.state_dict().items():
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if self.rank != 0:
+                yield name, None
+                continue
+            full = full.detach()
+            yield name, full.to(dtype) if dtype is not None else full
+
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+
+    def offload(self) -> None:
+        """Optimizer state, then grads and params, to host memory (no-op on CPU)."""
+        if self.device.type != "cuda" or self.offloaded:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        self._move_optimizer_state(torch.device("cpu"))
+        self.model.to("cpu")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self.offloaded = True
+
+    def onload(self) -> None:
+        """Params first, then optimizer state, back to the GPU (no-op on CPU)."""
+        if self.device.type != "cuda" or not self.offloaded:
+            return
+        self.model.to(self.device)
+        self._move_optimizer_state(self.device)
+        torch.cuda.synchronize()
+        self.offloaded = False
+
+    def _park_ref(self) -> None:
+        """Keep the frozen reference model in host memory between uses on GPU."""
+        if self.ref_model is not None and self.device.type == "cuda":
+            self.ref_model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def _unpark_ref(self) -> None:
+        if self.ref_model is not None and self.device.type == "cuda":
+            self.ref_model.to(self.device)
+
+    def checkpoint_state(self, include_optimizer: bool) -> dict[str, Any] | None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(self.model, options=opts)
+        optim_state = (
+            get_optimizer_state_dict(self.model, self.optimizer, options=opts) if include_optimizer else None
+        )
+        if self.rank != 0:
+            return None
+        from raygym.checkpoint import capture_rng_state
+
+        return {
+            "model": {k: v.detach().clone() for k, v in model_state.items()},
+            "optimizer": optim_state,
+            "trainer_state": {"schedule": self.schedule.state_dict(), "rng": capture_rng_state()},
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any] | None, load_optimizer: bool) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        sharded = self.world_size > 1
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded)
+        mine = state if (self.rank == 0 or not sharded) else None
+        # broadcast_from_rank0 consumes the dict it is given: hand it copies
+        model_state = {k: v.clone() for k, v in mine["model"].items()} if mine else {}
+        set_model_state_dict(self.model, model_state, options=opts)
+        has_optim = self._broadcast_flag(bool(mine and mine.get("optimizer") is not None))
+        if load_optimizer and has_optim:
+            optim_state = mine["optimizer"] if mine else {}
+            set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=opts)
+        trainer_state = self._broadcast_object(mine["trainer_state"] if mine else None)
+        self.schedule.load_state_dict(trainer_state["schedule"])
+        from raygym.checkpoint import restore_rng_state
+
+        restore_rng_state(trainer_state["rng"])
+
+    def _broadcast_object(self, obj: Any) -> Any:
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _broadcast_flag(self, flag: bool) -> bool:
+        return bool(self._broadcast_object(flag))
+
+    def save_hf(self, out_dir: str) -> str:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from raygym.checkpoint import write_hf_model
+
+        state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank == 0:
+            write_hf_model(state, self.model_path, out_dir)
+        if self.world_size > 1:
+            dist.barrier()
+        return out_dir
+
+
+def advantage_stats(batch: TrainBatch) -> dict[str, float]:
+    """Mean / std / min / max of the advantages over trained tokens of the whole batch."""
+    vals = (
+        torch.cat([a.float()[m > 0] for a, m in zip(batch.advantages, batch.loss_masks, strict=True)])
+        if len(batch)
+        else torch.zeros(0)
+    )
+    if vals.numel() == 0:
+        return {}
+    return {
+        "train/adv_mean": float(vals.mean()),
+        "train/adv_std": float(vals.std(unbiased=False)),
+        "train/adv_min": float(vals.min()),
+        "train/adv_max": float(vals.max()),
+    }

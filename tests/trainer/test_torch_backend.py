@@ -1,0 +1,260 @@
+"""The torch trainer backend on CPU with the builtin tiny Qwen3: learning, FSDP2 equivalence, resume, export."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from raygym.trainer import TrainBatch, TrainerActor, TrainerSettings
+from raygym.trainer.torch_backend import TorchBackend
+from raygym.types import Sample
+
+VOCAB_LOW, VOCAB_HIGH = 2, 40  # real character ids of the builtin tokenizer
+
+
+def make_batch(seed: int = 0, groups: int = 2, group_size: int = 4) -> TrainBatch:
+    rng = random.Random(seed)
+    samples = []
+    for g in range(groups):
+        prompt = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(rng.randrange(3, 8))]
+        for j in range(group_size):
+            response = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(rng.randrange(2, 14))]
+            mask = [1] * len(response)
+            if (
+                j == 1 and len(response) >= 4
+            ):  # a multi-turn-like sample: the middle tokens were not produced by the policy
+                mask[1:3] = [0, 0]
+            samples.append(
+                Sample(
+                    prompt="p",
+                    prompt_tokens=prompt,
+                    group_index=g,
+                    sample_index=j,
+                    response_tokens=response,
+                    loss_mask=mask,
+                    reward=float(rng.random()),
+                )
+            )
+    return TrainBatch.from_samples(samples)
+
+
+def settings_for(path: str, **overrides) -> TrainerSettings:
+    base = dict(
+        hf_checkpoint=path,
+        lr=1e-3,
+        weight_decay=0.0,
+        global_batch_size=8,
+        max_tokens_per_gpu=48,
+        use_dynamic_batch_size=True,
+        clip_grad=1.0,
+        seed=7,
+    )
+    base.update(overrides)
+    return TrainerSettings(**base)
+
+
+def prepared(backend: TorchBackend, batch: TrainBatch) -> TrainBatch:
+    return batch.with_log_probs(backend.compute_log_probs(batch)).with_advantages("grpo")
+
+
+def params_of(backend: TorchBackend) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in backend.iter_hf_weights()}
+
+
+def test_loss_decreases_on_a_fixed_batch(tiny_model_path):
+    # Huge clip bounds turn the clipped surrogate into plain policy gradient, so the loss must fall.
+    backend = TorchBackend(settings_for(tiny_model_path, eps_clip=100.0, eps_clip_high=100.0, lr=3e-3))
+    backend.init()
+    batch = prepared(backend, make_batch())
+    losses = [backend.train_step(batch, rollout_id=i)["train/pg_loss"] for i in range(6)]
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert all(b < a for a, b in zip(losses, losses[1:], strict=False)), losses
+
+
+def test_metrics_gradient_accumulation_and_frozen_params(tiny_model_path):
+    batch = make_batch(seed=1)
+    # Same batch trained as one micro-batch and as many tiny ones: same update (exact global denominators).
+    # SGD, because Adam's first step (g / |g|) amplifies float noise in near-zero gradients.
+    common = dict(
+        optimizer="sgd", lr=0.5, freeze_params_name_list=[r"embed_tokens"], calculate_per_token_loss=True
+    )
+    one = TorchBackend(settings_for(tiny_model_path, max_tokens_per_gpu=10_000, **common))
+    many = TorchBackend(
+        settings_for(tiny_model_path, use_dynamic_batch_size=False, micro_batch_size=1, **common)
+    )
+    info = one.init()
+    many.init()
+    assert info["frozen"] == ["model.embed_tokens.weight"]
+    assert all(
+        p is not one.model.model.embed_tokens.weight for g in one.optimizer.param_groups for p in g["params"]
+    )
+    before = params_of(one)
+    b1, b2 = prepared(one, batch), prepared(many, batch)
+    m1 = one.train_step(b1, 0)
+    m2 = many.train_step(b2, 0)
+    for key in ("train/pg_loss", "train/entropy", "train/clipfrac", "train/approx_kl", "train/grad_norm"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-7), key
+    p1, p2 = params_of(one), params_of(many)
+    for name in p1:
+        torch.testing.assert_close(p1[name], p2[name], rtol=1e-5, atol=1e-7)
+    assert torch.equal(p1["model.embed_tokens.weight"], before["model.embed_tokens.weight"])
+    assert not torch.equal(p1["lm_head.weight"], before["lm_head.weight"])
+    assert m1["perf/train_tokens"] == sum(batch.total_lengths())
+    assert m1["train/lr"] == pytest.approx(0.5)
+
+
+def test_log_probs_match_a_direct_forward_at_temperature(tiny_model_path):
+    backend = TorchBackend(settings_for(tiny_model_path, rollout_temperature=0.7, max_tokens_per_gpu=20))
+    backend.init()
+    batch = make_batch(seed=2)
+    got = backend.compute_log_probs(batch)["log_probs"]
+    for i in range(len(batch)):
+        with torch.no_grad():
+            logits = backend.model(input_ids=batch.tokens[i][None]).logits[0].float() / 0.7
+        p, r = batch.prompt_lengths[i], batch.response_lengths[i]
+        expected = (
+            torch.log_softmax(logits[p - 1 : p + r - 1], -1).gather(-1, batch.tokens[i][p:, None]).squeeze(-1)
+        )
+        torch.testing.assert_close(got[i], expected, rtol=1e-5, atol=1e-5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    backend = TorchBackend(
+        settings_for(path, lr=1e-4, max_tokens_per_gpu=30, balance_data=True, dist_timeout_s=120)
+    )
+    backend.init()
+    metrics = backend.train_step(prepared(backend, make_batch(seed=3)), rollout_id=0)
+    weights = {n: t for n, t in backend.iter_hf_weights()}
+    # gather the sharded state for a checkpoint, then load it back through broadcast_from_rank0
+    state = backend.checkpoint_state(include_optimizer=True)
+    backend.load_checkpoint_state(state, load_optimizer=True)
+    reloaded = {n: t for n, t in backend.iter_hf_weights()}
+    if rank == 0:
+        assert state["optimizer"]["state"].keys() >= {"lm_head.weight"}
+        assert all(torch.equal(reloaded[n], weights[n]) for n in weights)
+        torch.save({"weights": weights, "metrics": metrics, "checkpoint": state["model"]}, out)
+    else:
+        assert state is None and all(t is None for t in weights.values())
+    torch.distributed.destroy_process_group()
+
+
+def test_two_fsdp_ranks_match_one_rank(tiny_model_path, tmp_path):
+    out = str(tmp_path / "fsdp.pt")
+    mp.start_processes(
+        _fsdp_worker, args=(2, _free_port(), tiny_model_path, out), nprocs=2, start_method="spawn"
+    )
+    two = torch.load(out, weights_only=True)
+    single = TorchBackend(settings_for(tiny_model_path, lr=1e-4, max_tokens_per_gpu=30))
+    single.init()
+    metrics = single.train_step(prepared(single, make_batch(seed=3)), rollout_id=0)
+    weights = params_of(single)
+    assert weights.keys() == two["weights"].keys()
+    assert all(torch.equal(two["checkpoint"][n], two["weights"][n]) for n in weights)
+    for name, value in weights.items():
+        other = two["weights"][name]
+        assert (value - other).norm() <= 1e-5 * value.norm(), name
+    for key in ("train/pg_loss", "train/grad_norm", "train/entropy"):
+        assert two["metrics"][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7), key
+
+
+def test_save_then_resume_is_bit_identical(tiny_model_path, tmp_path):
+    batch = make_batch(seed=4)
+    settings = dict(lr_decay_style="cosine", lr_warmup_iters=1, lr_decay_iters=6, min_lr=1e-5)
+    first = TrainerActor(settings=settings_for(tiny_model_path, **settings))
+    first.init()
+    fixed = prepared(first.backend, batch)
+    first.train_step(fixed, 0)
+    path = first.save_checkpoint(0, extra={"data_index": 8}, save_dir=str(tmp_path / "ckpt"))
+    assert path.endswith("iter_0000000")
+    losses_a = [first.train_step(fixed, i)["train/pg_loss"] for i in (1, 2, 3)]
+    lr_a = first.backend.schedule.current_lr()
+
+    second = TrainerActor(settings=settings_for(tiny_model_path, **settings))
+    second.init()
+    loaded = second.load_checkpoint(str(tmp_path / "ckpt"))
+    assert (
+        loaded["rollout_id"] == 0 and loaded["start_rollout_id"] == 1 and loaded["extra"] == {"data_index": 8}
+    )
+    losses_b = [second.train_step(fixed, i)["train/pg_loss"] for i in (1, 2, 3)]
+    assert losses_a == losses_b
+    assert second.backend.schedule.current_lr() == lr_a
+    pa, pb = params_of(first.backend), params_of(second.backend)
+    assert all(torch.equal(pa[n], pb[n]) for n in pa)
+
+
+def test_hf_export_round_trip(tiny_model_path, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raygym.checkpoint import export_hf
+
+    actor = TrainerActor(settings=settings_for(tiny_model_path))
+    actor.init()
+    actor.train_step(prepared(actor.backend, make_batch(seed=5)), 0)
+    ids = make_batch(seed=6).tokens[0][None]
+    with torch.no_grad():
+        expected = actor.backend.model(input_ids=ids).logits
+    direct = actor.export_hf(str(tmp_path / "hf"))
+    actor.save_checkpoint(0, save_dir=str(tmp_path / "ckpt"))
+    via_checkpoint = export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf2"))
+    for out in (direct, via_checkpoint):
+        assert os.path.exists(os.path.join(out, "model.safetensors"))
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids).logits, expected)
+        assert AutoTokenizer.from_pretrained(out).encode("next:7") == AutoTokenizer.from_pretrained(
+            tiny_model_path
+        ).encode("next:7")
+
+
+def test_settings_from_recipe_hooks_and_backend_choice(tiny_model_path):
+    from types import SimpleNamespace
+
+    from raygym.errors import ConfigError
+    from raygym.trainer import choose_backend
+
+    calls = []
+
+    def hook(args, rollout_id, batch):
+        calls.append((args, rollout_id, len(batch)))
+        return batch.select(range(len(batch) - 1))  # a hook may replace the batch
+
+    recipe = SimpleNamespace(
+        lr=2e-3,
+        eps_clip_high=0.3,
+        global_batch_size=8,
+        trainer_backend="auto",
+        extra_config={"torch_recompute": True},
+        custom_megatron_before_log_prob_hook=hook,
+    )
+    settings = TrainerSettings.from_recipe(recipe, SimpleNamespace(hf_checkpoint=tiny_model_path))
+    assert (settings.lr, settings.eps_clip_high, settings.torch_recompute) == (2e-3, 0.3, True)
+    assert settings.eps_clip == 0.2 and settings.hf_checkpoint == tiny_model_path
+    actor = TrainerActor(settings=settings)
+    actor.init()
+    model = actor.backend.model
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+    out = actor.compute_log_probs(make_batch(seed=8), rollout_id=3)
+    assert calls == [(recipe, 3, 8)] and len(out["log_probs"]) == 7
+    if not torch.cuda.is_available():
+        assert choose_backend("auto") == "torch"
+    with pytest.raises(ConfigError, match="trainer_backend"):
+        choose_backend("jax")
