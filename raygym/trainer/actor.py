@@ -64,6 +64,7 @@ class TrainerActor:
         recipe = settings.recipe
         self.backend_name = getattr(recipe, "trainer_backend", "auto") if recipe is not None else "torch"
         self.backend: TrainerBackend | None = None
+        self._wsync: Any = None
 
     def _recipe_value(self, name: str, default: Any) -> Any:
         recipe = self.settings.recipe
@@ -142,3 +143,26 @@ class TrainerActor:
     def export_hf(self, path: str) -> str:
         """Write the current weights as an HF model directory (safetensors + config + tokenizer)."""
         return self.backend.save_hf(path)
+
+    # ---- weight sync (driven by raygym.weightsync.coordinator.WeightSync; every rank takes part) ----
+    def init_weight_sync(self, spec: Any) -> dict[str, Any]:
+        from raygym.weightsync.sender import RankWeightSync
+
+        self._wsync = RankWeightSync(self.get_rank())
+        return self._wsync.init(spec)
+
+    def push_weights(self, version: int, force_full: bool = False) -> dict[str, Any]:
+        return self._wsync.push(version, self.backend.iter_hf_weights(), force_full)
+
+    def commit_weights(self, version: int) -> None:
+        self._wsync.commit(version)
+
+    def discard_weights(self) -> None:
+        self._wsync.discard()
+
+    def reconnect_weight_sync(self) -> dict[str, Any]:
+        return self._wsync.reconnect()
+
+    def close_weight_sync(self) -> None:
+        if getattr(self, "_wsync", None) is not None:
+            self._wsync.close()

@@ -1,0 +1,171 @@
+"""Builds and tears down the Ray graph of one run: placement, trainers, engines, rollout manager and
+weight sync. The loop that drives it lives in :mod:`raygym.driver`.
+
+Everything started here is ended here, by handle: actors are killed, the placement group removed,
+server processes terminated by their engine actors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raygym.errors import ConfigError, RaygymError
+
+logger = logging.getLogger(__name__)
+
+ROLLOUT_ENGINES = ("auto", "raygym", "sglang")
+WEIGHT_LOADER = "raygym.weightsync.loader:load_payload"
+ENGINE_START_TIMEOUT_S = 600.0
+
+
+def choose_rollout_engine(name: str) -> str:
+    """Resolve ``rollout_engine``: ``auto`` = SGLang when CUDA and sglang are importable, else raygym."""
+    if name not in ROLLOUT_ENGINES:
+        raise ConfigError(f"rollout_engine={name!r}: use one of {', '.join(ROLLOUT_ENGINES)}")
+    if name != "auto":
+        return name
+    import importlib.util
+
+    import torch
+
+    return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "raygym"
+
+
+def resolve_model_path(hf_checkpoint: str, cache_dir: str | os.PathLike, seed: int = 0) -> str:
+    """A path every actor can load: builtin models are materialised, remote fsspec URLs copied locally,
+    local paths and Hub ids pass through unchanged."""
+    from raygym.builtin import is_builtin, materialize_model
+
+    if is_builtin(hf_checkpoint):
+        return materialize_model(hf_checkpoint, Path(cache_dir) / "models", seed=seed)
+    if "://" in hf_checkpoint and not hf_checkpoint.startswith("file://"):
+        import fsspec
+
+        local = Path(cache_dir) / "models" / hf_checkpoint.replace("://", "_").replace("/", "_")
+        if not (local / "config.json").exists():
+            fs, root = fsspec.core.url_to_fs(hf_checkpoint)
+            fs.get(root.rstrip("/") + "/", str(local) + "/", recursive=True)
+        return str(local)
+    return hf_checkpoint.removeprefix("file://")
+
+
+@dataclass
+class RunGraph:
+    """Handles of every actor of a run; ``shutdown()`` ends them all (idempotent)."""
+
+    placement: Any
+    trainers: Any  # raygym.actor_group.ActorGroup of TrainerActor
+    engines: Any  # ActorGroup of EngineActor
+    engine_urls: list[str]
+    manager: Any  # Ray actor handle of RolloutManager
+    weight_sync: Any  # raygym.weightsync.coordinator.WeightSync
+    closed: bool = field(default=False)
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        import ray
+
+        steps = (
+            ("weight sync", lambda: self.weight_sync and self.weight_sync.shutdown()),
+            ("rollout manager", lambda: self.manager and ray.get(self.manager.close.remote(), timeout=30)),
+            ("engines", lambda: self.engines and ray.get(
+                [h.shutdown.remote() for h in self.engines.handles], timeout=60)),
+        )
+        for what, step in steps:
+            try:
+                step()
+            except Exception as exc:  # keep tearing down the rest
+                logger.debug("shutdown of %s failed: %s", what, exc)
+        for group in (self.engines, self.trainers):
+            if group is not None:
+                group.kill()
+        if self.manager is not None:
+            try:
+                ray.kill(self.manager, no_restart=True)
+            except Exception as exc:
+                logger.debug("killing the rollout manager failed: %s", exc)
+        if self.placement is not None:
+            self.placement.release()
+
+
+def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> RunGraph:
+    """Start every actor of the run in its bundle and connect them; on failure, end what started."""
+    import ray
+
+    from raygym.actor_group import call_all, start_engine_group, start_trainer_group
+    from raygym.placement import allocate_for_recipe
+    from raygym.rollout.engine import EngineActor
+    from raygym.rollout.manager import RolloutManager
+    from raygym.trainer.actor import TrainerActor
+    from raygym.weightsync.coordinator import WeightSync
+
+    recipe = cfg.recipe
+    if recipe.use_critic:
+        raise ConfigError(
+            "use_critic=True: the critic role is not implemented by raygym's trainers yet; "
+            "use a critic-free estimator (grpo, dr_grpo, gspo, reinforce_plus_plus[_baseline])"
+        )
+    engine_kind = choose_rollout_engine(recipe.rollout_engine)
+    graph = RunGraph(None, None, None, [], None, None)
+    try:
+        say(f"placement: {recipe.gpu_allocation().total_gpus} GPU bundles ...")
+        graph.placement = allocate_for_recipe(recipe).ensure_ready()
+        graph.trainers = start_trainer_group(
+            graph.placement, TrainerActor, args=(cfg,),
+            environment=recipe.environment, train_env_vars=recipe.train_env_vars,
+        )
+        init_refs = [h.init.remote() for h in graph.trainers.handles]
+        graph.engines = start_engine_group(
+            graph.placement, EngineActor,
+            args=(recipe,),
+            kwargs={
+                "model_path": model_path,
+                "backend": engine_kind,
+                "log_dir": str(run_dir / "logs"),
+                "startup_timeout": ENGINE_START_TIMEOUT_S,
+                "extra_server_args": ["--custom-weight-loader", WEIGHT_LOADER] if engine_kind == "raygym" else [],
+            },
+            environment=recipe.environment,
+        )
+        url_refs = [h.start.remote() for h in graph.engines.handles]
+        say(f"starting {len(graph.trainers)} trainer(s) and {len(graph.engines)} {engine_kind} engine(s) ...")
+        ray.get(init_refs)
+        graph.engine_urls = ray.get(url_refs)
+        manager_cls = ray.remote(RolloutManager)
+        graph.manager = manager_cls.options(num_cpus=0, max_concurrency=64).remote(
+            cfg, graph.engines.handles, model_path, data_cache_dir=str(run_dir / "cache")
+        )
+        overrides: dict[str, Any] = {"group_protocol": "raygym"} if engine_kind == "raygym" else {}
+        graph.weight_sync = WeightSync(recipe, graph.trainers.handles, graph.engine_urls, spec_overrides=overrides)
+        graph.weight_sync.setup()
+        call_all(graph.trainers, "get_rank")  # surfaces an init failure now, with its traceback
+        return graph
+    except BaseException:
+        graph.shutdown()
+        raise
+
+
+def describe_actor_death(exc: BaseException, graph: RunGraph | None) -> str:
+    """A one-line explanation of which actor died, for the error the run fails with."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if graph is None:
+        return text
+    handles = {"trainer": graph.trainers.handles if graph.trainers else [],
+               "engine": graph.engines.handles if graph.engines else []}
+    actor_id = getattr(exc, "actor_id", None)
+    for role, hs in handles.items():
+        for rank, h in enumerate(hs):
+            if actor_id is not None and h._actor_id.hex() == actor_id:
+                return f"{role} rank {rank} died: {text}"
+    return text
+
+
+def raise_actor_death(exc: BaseException, graph: RunGraph | None, last_checkpoint: str | None) -> None:
+    where = f"; the last complete checkpoint is {last_checkpoint}" if last_checkpoint else "; no checkpoint was saved"
+    raise RaygymError(f"the run failed: {describe_actor_death(exc, graph)}{where}") from exc
