@@ -36,7 +36,9 @@ from raygym.weightsync.codec import (
 
 MANIFEST_NAME = "__raygym_manifest__"
 BUCKET_NAME = "__raygym_bucket__"
-LOADER = "raygym.weightsync.loader:load_payload"
+# SGLang imports a custom weight loader by dotted path and matches ``load_format`` against the
+# registered string, so senders and every server's --custom-weight-loader use exactly this string.
+LOADER = "raygym.weightsync.loader.load_payload"
 FORMAT = "raygym.bucket.v1"
 FULL = "full"
 ALIGN = 64  # bytes; keeps every entry's integer views aligned

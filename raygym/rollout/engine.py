@@ -1,0 +1,328 @@
+"""EngineActor: owns one inference server process (SGLang or raygym's own) on one node.
+
+A plain class; the driver wraps it with ``ray.remote`` (threaded, so that concurrent
+``generate`` calls overlap: ``ray.remote(max_concurrency=64)(EngineActor)``). Every method is
+synchronous and typed; HTTP goes through one pooled :class:`EngineClient` on a private event
+loop thread.
+
+>>> actor = EngineActor({"seed": 1}, engine_index=0, model_path="builtin:tiny-qwen3",
+...                     gpu_ids=[], host="127.0.0.1", backend="raygym")
+>>> url = actor.start()                                  # doctest: +SKIP
+>>> actor.generate({"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})  # doctest: +SKIP
+>>> actor.shutdown()                                     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from raygym.errors import ConfigError, RaygymError
+from raygym.rollout.client import EngineClient, EngineConnectionError
+from raygym.rollout.sglang_args import (
+    DELTA_LOADER,
+    build_raygym_server_argv,
+    build_sglang_argv,
+    render_sglang_config,
+    setting,
+)
+
+T = TypeVar("T")
+BACKENDS = ("sglang", "raygym")
+
+
+def free_port(host: str) -> int:
+    """A TCP port that is free on ``host`` right now (the server binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class _LoopThread:
+    """An asyncio loop on a daemon thread, so sync methods can await the async client."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="engine-actor-http", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
+        if not self.loop.is_running():
+            self.loop.close()
+
+
+class EngineActor:
+    """Launches, watches, restarts and ends one server process; talks to it over HTTP.
+
+    Args:
+        settings: recipe-like object (or dict) with the spec's field names: ``sglang_*``,
+            ``rollout_num_gpus_per_engine``, ``seed``, ``update_weight_timeout``.
+        engine_index: which engine this is (names logs and errors).
+        model_path: HF checkpoint the server loads (``builtin:tiny-qwen3`` works for raygym).
+        gpu_ids: physical GPU ids of this engine's bundle (``CUDA_VISIBLE_DEVICES`` of the
+            child); empty on CPU.
+        host: address the server binds: the node IP, or ``127.0.0.1`` (default).
+        backend: ``"raygym"`` (built-in server, CPU or GPU) or ``"sglang"``.
+        startup_timeout: seconds to wait for ``/health_generate`` after launch.
+        device: raygym backend only: ``auto`` | ``cpu`` | ``cuda``.
+        log_dir: where the server's stdout/stderr go (a temp dir by default).
+    """
+
+    def __init__(
+        self,
+        settings: Any,
+        engine_index: int,
+        model_path: str,
+        gpu_ids: list[int],
+        host: str | None = None,
+        backend: str = "raygym",
+        *,
+        startup_timeout: float = 300.0,
+        request_timeout: float = 600.0,
+        device: str = "auto",
+        log_dir: str | None = None,
+        extra_server_args: list[str] | None = None,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"rollout_engine={backend!r}: must be one of {list(BACKENDS)}")
+        if host == "0.0.0.0":
+            raise ConfigError("host='0.0.0.0': engines bind their node IP or 127.0.0.1; pass the node IP")
+        self.settings = settings
+        self.engine_index = engine_index
+        self.model_path = model_path
+        self.gpu_ids = [int(g) for g in gpu_ids]
+        self.host = host or "127.0.0.1"
+        self.backend = backend
+        self.startup_timeout = startup_timeout
+        self.request_timeout = request_timeout
+        self.device = device
+        self.extra_server_args = list(extra_server_args or [])
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"raygym-engine{engine_index}-"))
+        self.weight_version: int = 0
+        self.restarts = 0
+        self._proc: subprocess.Popen | None = None
+        self._port: int | None = None
+        self._log_file: Any = None
+        self._loop = _LoopThread()
+        self._client: EngineClient | None = None
+        self._lock = threading.RLock()
+        atexit.register(_shutdown_weak, weakref.ref(self))
+
+    # ----- lifecycle -----
+    def start(self) -> str:
+        """Launch the server and wait until it generates; returns its URL. Idempotent while alive."""
+        with self._lock:
+            if self.alive():
+                return self.url()
+            self._launch()
+            try:
+                self._run(self._get_client().wait_healthy(self.alive, self.startup_timeout), None)
+            except EngineConnectionError as exc:
+                tail = self.log_tail()
+                self._stop_process()
+                raise RaygymError(
+                    f"engine {self.engine_index} ({self.backend}) failed to start: {exc}\n"
+                    f"--- last lines of {self._log_path()} ---\n{tail}"
+                ) from exc
+            return self.url()
+
+    def restart(self) -> str:
+        """End the server (if any) and start a fresh one; the caller re-syncs weights."""
+        with self._lock:
+            self.shutdown()
+            self.restarts += 1
+            return self.start()
+
+    def shutdown(self) -> None:
+        """SIGTERM the server's process group, SIGKILL after 10 s. Safe to call repeatedly."""
+        with self._lock:
+            if self._client is not None:
+                try:
+                    self._run(self._client.aclose(), 10)
+                except Exception:  # the loop may already be gone at interpreter exit
+                    pass
+                self._client = None
+            self._stop_process()
+
+    def close(self) -> None:
+        """Shutdown and stop the private event loop (the actor is unusable afterwards)."""
+        self.shutdown()
+        self._loop.close()
+
+    def __del__(self) -> None:
+        try:
+            self._stop_process()
+        except Exception:
+            pass
+
+    # ----- state -----
+    def url(self) -> str:
+        if self._port is None:
+            raise RaygymError(f"engine {self.engine_index}: not started; call start() first")
+        return f"http://{self.host}:{self._port}"
+
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def health_generate(self, timeout: float = 30.0) -> bool:
+        """True when the process lives and ``/health_generate`` answered 200 within ``timeout``."""
+        if not self.alive():
+            return False
+        return self._run(self._get_client().health_generate(timeout=timeout), timeout + 5)
+
+    def set_weight_version(self, version: int) -> None:
+        """Record the policy version the server now holds (called by the weight-sync code)."""
+        self.weight_version = int(version)
+
+    def get_weight_version(self) -> int:
+        return self.weight_version
+
+    def log_tail(self, lines: int = 40) -> str:
+        path = self._log_path()
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    # ----- HTTP -----
+    def generate(self, payload: dict[str, Any]) -> Any:
+        """POST /generate on this engine and return SGLang's answer (dict, or list for batches)."""
+        return self._run(self._get_client().generate(payload), self.request_timeout + 5)
+
+    def call(self, method: str, **kwargs: Any) -> Any:
+        """Call one :class:`EngineClient` method by name, e.g. ``call("pause_generation", mode="abort")``."""
+        if method.startswith("_") or not hasattr(EngineClient, method):
+            raise AttributeError(f"EngineClient has no public method {method!r}")
+        return self._run(getattr(self._get_client(), method)(**kwargs), self.request_timeout + 5)
+
+    # ----- internals -----
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        return self._loop.run(coro, timeout)
+
+    def _get_client(self) -> EngineClient:
+        if self._client is None:
+            url = self.url()
+
+            async def make() -> EngineClient:  # created on the loop that will use it
+                return EngineClient(url, timeout=self.request_timeout)
+
+            self._client = self._run(make(), 10)
+        return self._client
+
+    def _log_path(self) -> Path:
+        return self.log_dir / f"server-{self.engine_index}.log"
+
+    def _argv(self, port: int) -> list[str]:
+        if self.backend == "sglang":
+            config_path = None
+            text = render_sglang_config(self.settings)
+            if text is not None:
+                config_path = str(self.log_dir / "sglang_config.yaml")
+                Path(config_path).write_text(text)
+            return build_sglang_argv(
+                self.settings,
+                model_path=self.model_path,
+                host=self.host,
+                port=port,
+                python=sys.executable,
+                config_path=config_path,
+                nccl_port=free_port(self.host),
+                weight_version=self.weight_version,
+                extra_args=self.extra_server_args,
+            )
+        loaders = [DELTA_LOADER] if _module_exists(DELTA_LOADER.rsplit(".", 1)[0]) else []
+        return build_raygym_server_argv(
+            model_path=self.model_path,
+            host=self.host,
+            port=port,
+            python=sys.executable,
+            device=self.device,
+            max_running_requests=int(setting(self.settings, "sglang_max_running_requests", 64)),
+            custom_weight_loaders=loaders,
+            weight_version=self.weight_version,
+            seed=setting(self.settings, "seed"),
+            extra_args=[
+                "--weight-update-timeout",
+                str(setting(self.settings, "update_weight_timeout", 600.0)),
+                *self.extra_server_args,
+            ],
+        )
+
+    def _launch(self) -> None:
+        self._stop_process()
+        self._port = free_port(self.host)
+        argv = self._argv(self._port)
+        env = dict(os.environ)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpu_ids)
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        # The child must import raygym the way this process does, installed or from a checkout.
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self._log_path(), "ab")  # noqa: SIM115 - lives as long as the process
+        self._proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: we end exactly it and its children
+        )
+        if self._client is not None:
+            self._run(self._client.aclose(), 10)
+            self._client = None
+
+    def _stop_process(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        elif proc is not None:
+            _signal_group(proc.pid, signal.SIGKILL)  # leftover children of a dead leader
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _shutdown_weak(ref: weakref.ref) -> None:
+    actor = ref()
+    if actor is not None:
+        actor._stop_process()
