@@ -10,7 +10,6 @@ prints the ConfigError on stderr and exits with code 2.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -179,12 +178,15 @@ def train(ctx: click.Context) -> None:
         click.echo(format_cli_help("raygym train"))
         return
     cfg = TrainConfig.from_cli_args(args)
-    if importlib.util.find_spec("raygym.driver") is None:
-        raise click.ClickException("raygym.driver is not available in this install yet; `raygym plan` works")
     from raygym.driver import train as run_training
 
     result = run_training(cfg)
-    click.echo(str(result))
+    click.echo(f"run directory: {result.run_dir}")
+    click.echo(f"metrics:       {result.metrics_path} ({result.final_step + 1} steps)")
+    if result.checkpoint_paths:
+        click.echo(f"checkpoint:    {result.checkpoint_paths[-1]}")
+    if result.hf_export_path:
+        click.echo(f"HF export:     {result.hf_export_path}")
 
 
 @app.command()

@@ -111,9 +111,9 @@ def tiny() -> Recipe:
         global_batch_size=128,
         rollout_max_response_len=8,
         eval_max_response_len=8,
-        lr=1e-3,
+        lr=2e-3,
         weight_decay=0.0,
-        num_rollout=40,
+        num_rollout=100,
         eval_interval=None,
         save="",  # = <output_dir>/checkpoints
         save_interval=20,
