@@ -32,6 +32,8 @@ def choose_backend(name: str) -> str:
 
 
 def make_backend(name: str, settings: TrainerSettings, role: str) -> TrainerBackend:
+    if role == "critic" and name == "auto":
+        name = "torch"  # the PPO critic exists on the torch backend only
     if choose_backend(name) == "megatron":
         try:
             from raygym.trainer.megatron_backend import MegatronBackend
@@ -41,6 +43,10 @@ def make_backend(name: str, settings: TrainerSettings, role: str) -> TrainerBack
                 "install raygym[megatron] or set trainer_backend='torch'"
             ) from exc
         return MegatronBackend(settings, role=role)
+    if role == "critic":
+        from raygym.trainer.critic import TorchCriticBackend
+
+        return TorchCriticBackend(settings, role=role)
     from raygym.trainer.torch_backend import TorchBackend
 
     return TorchBackend(settings, role=role)
@@ -48,6 +54,10 @@ def make_backend(name: str, settings: TrainerSettings, role: str) -> TrainerBack
 
 class TrainerActor:
     """One rank of the trainer group. ``cfg`` is a ``TrainConfig`` (``cfg.recipe``, ``cfg.model``).
+
+    ``role="critic"`` makes it a rank of the PPO critic (torch backend, ``raygym.trainer.critic``): it has
+    ``compute_values`` instead of policy log-probs, trains the value loss, and checkpoints under
+    ``<save dir>/critic``.
 
     ``settings`` overrides what is read from ``cfg`` (tests and tools pass ``TrainerSettings`` directly;
     ``cfg`` may then be None).
@@ -83,6 +93,19 @@ class TrainerActor:
     def train_step(self, batch: Any, rollout_id: int) -> dict[str, float]:
         return self.backend.train_step(batch, rollout_id)
 
+    def compute_values(self, batch: Any, rollout_id: int = -1) -> dict[str, list]:
+        """Critic only: ``{"values": [one 1-D float32 tensor per sample, one value per response token]}``
+        for the whole batch (every rank returns all of it), ready for ``batch.with_log_probs(...)``."""
+        if self.role != "critic":
+            raise ConfigError(
+                f"compute_values: this trainer has role={self.role!r}; values come from TrainerActor(role='critic')"
+            )
+        return self.backend.compute_values(batch, rollout_id)
+
+    def _role_dir(self, base: str) -> str:
+        """The critic keeps its checkpoints in ``<base>/critic`` so they never mix with the policy's."""
+        return base.rstrip("/") + "/critic" if self.role == "critic" else base
+
     def offload(self) -> None:
         self.backend.offload()
 
@@ -98,6 +121,7 @@ class TrainerActor:
         target = save_dir or self._recipe_value("save", "")
         if not target:
             raise ConfigError("save='': no checkpoint directory; set save to a path or fsspec URL")
+        target = self._role_dir(target)
         include_optim = not self._recipe_value("no_save_optim", False)
         state = self.backend.checkpoint_state(include_optimizer=include_optim)
         if state is None:  # not rank 0
@@ -123,6 +147,7 @@ class TrainerActor:
         source = load_dir or self._recipe_value("load", "")
         if not source:
             return None
+        source = self._role_dir(source)
         info = latest_checkpoint(source)
         if info is None:
             return None

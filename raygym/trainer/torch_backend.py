@@ -11,6 +11,10 @@
   the recipe's ``recompute_*`` defaults are Megatron's and would slow small torch runs for nothing.
 - Checkpoints: full state gathered to rank 0 (``get_model_state_dict(full_state_dict=True)``) and
   loaded with ``broadcast_from_rank0``; resume is bit-identical on CPU.
+- Roles: ``TorchBackend`` trains the policy (``role="actor"``). The PPO critic
+  (``raygym.trainer.critic.TorchCriticBackend``) subclasses it and overrides the ``_build_model``,
+  ``_forward``, ``_micro_batch_loss`` family of hooks; sharding, micro-batching, gradient accumulation,
+  the optimizer step, offload and checkpoints are shared.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -78,10 +82,15 @@ class TorchBackend(TrainerBackend):
     >>> # backend = TorchBackend(TrainerSettings(hf_checkpoint=path, global_batch_size=4)); backend.init()
     """
 
+    ROLE = "actor"
+    METRIC_PREFIX = "train"  # metrics are "train/<name>"; perf keys "perf/train_*"
+    SUMMED_METRICS: tuple[str, ...] = SUMMED_METRICS
+
     def __init__(self, settings: TrainerSettings, role: str = "actor") -> None:
-        if role != "actor":
+        if role != self.ROLE:
             raise ConfigError(
-                f"role={role!r}: the torch backend trains the actor only (critic not supported yet)"
+                f"role={role!r}: {type(self).__name__} trains the {self.ROLE!r} role; for the PPO critic use "
+                "TrainerActor(cfg, role='critic') (raygym.trainer.critic.TorchCriticBackend)"
             )
         self.settings = settings
         self.role = role
@@ -109,16 +118,17 @@ class TorchBackend(TrainerBackend):
             )
         torch.manual_seed(s.seed)
         self.model_path = resolve_model_path(s.hf_checkpoint)
-        self.model = self._load_model(self.model_path, trainable=True)
+        self.model = self._build_model(self.model_path)
         _, self.frozen = split_frozen(self.model.named_parameters(), s.freeze_params_name_list)
         if s.torch_recompute:
-            enable_activation_checkpointing(self.model)
+            self._enable_recompute()
         self._shard(self.model)
         trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        lr = self._base_lr()
         self.optimizer = build_optimizer(
             trainable,
             name=s.optimizer,
-            lr=s.lr,
+            lr=lr,
             weight_decay=s.weight_decay,
             adam_beta1=s.adam_beta1,
             adam_beta2=s.adam_beta2,
@@ -126,13 +136,13 @@ class TorchBackend(TrainerBackend):
         decay_iters = s.lr_decay_iters if s.lr_decay_iters is not None else s.total_optimizer_steps()
         self.schedule = LrSchedule(
             self.optimizer,
-            lr=s.lr,
+            lr=lr,
             min_lr=s.min_lr,
             warmup_iters=s.lr_warmup_iters,
             decay_iters=decay_iters,
             style=s.lr_decay_style,
         )
-        if s.uses_reference:
+        if s.uses_reference and self.ROLE == "actor":
             ref_path = (
                 s.ref_load
                 if s.ref_load and os.path.isfile(os.path.join(s.ref_load, "config.json"))
@@ -146,11 +156,23 @@ class TorchBackend(TrainerBackend):
             "world_size": self.world_size,
             "device": str(self.device),
             "backend": "torch",
+            "role": self.ROLE,
+            "lr": lr,
             "num_params": sum(p.numel() for p in self.model.parameters()),
             "trainable_params": sum(p.numel() for _, p in trainable),
             "frozen": list(self.frozen),
             "reference_model": self.ref_model is not None,
         }
+
+    def _build_model(self, path: str) -> torch.nn.Module:
+        """The trained model of this role, on ``self.device``, fp32, not yet sharded."""
+        return self._load_model(path, trainable=True)
+
+    def _base_lr(self) -> float:
+        return self.settings.lr
+
+    def _enable_recompute(self) -> None:
+        enable_activation_checkpointing(self.model)
 
     def _load_model(self, path: str, trainable: bool) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -185,21 +207,37 @@ class TorchBackend(TrainerBackend):
         return nullcontext()
 
     # ---- forward -------------------------------------------------------------------------------------
+    def _forward(
+        self, model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Per-position model output for ``ids`` ``[b, L]``: logits ``[b, L, V]`` (the critic: values ``[b, L]``)."""
+        with self._autocast():
+            return model(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def _padded_inputs(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded ``input_ids`` and ``attention_mask``, both ``[b, L]`` on the device."""
+        lengths = mb.total_lengths()
+        ids = pad_stack(mb.tokens, max(lengths), 0).to(self.device)
+        attn = pad_stack([torch.ones(n, dtype=torch.int64) for n in lengths], max(lengths), 0).to(self.device)
+        return ids, attn
+
+    def _response_positions(self, mb: TrainBatch, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows ``[b, 1]``, positions ``[b, R]``): position ``p-1+j`` is the one whose output scores
+        response token ``j`` (at ``p+j``): logits predicting it, or the critic's value of that state."""
+        width = max(1, max(mb.response_lengths))
+        offsets = torch.arange(width, device=self.device)
+        starts = torch.tensor([p - 1 for p in mb.prompt_lengths], device=self.device)
+        pos = (starts[:, None] + offsets[None, :]).clamp(max=seq_len - 2)
+        rows = torch.arange(len(mb), device=self.device)[:, None]
+        return rows, pos
+
     def _response_log_probs(
         self, model: torch.nn.Module, mb: TrainBatch, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Padded ``[b, R]`` log-probs of each sample's response tokens (and entropies) at temperature."""
-        lengths = mb.total_lengths()
-        ids = pad_stack(mb.tokens, max(lengths), 0).to(self.device)
-        attn = pad_stack([torch.ones(n, dtype=torch.int64) for n in lengths], max(lengths), 0).to(self.device)
-        with self._autocast():
-            logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits
-        width = max(1, max(mb.response_lengths))
-        # logits at position p-1+j predict response token j (at position p+j)
-        offsets = torch.arange(width, device=self.device)
-        starts = torch.tensor([p - 1 for p in mb.prompt_lengths], device=self.device)
-        pos = (starts[:, None] + offsets[None, :]).clamp(max=ids.shape[1] - 2)
-        rows = torch.arange(len(mb), device=self.device)[:, None]
+        ids, attn = self._padded_inputs(mb)
+        logits = self._forward(model, ids, attn)
+        rows, pos = self._response_positions(mb, ids.shape[1])
         sel = logits[rows, pos].float() / self.settings.rollout_temperature
         targets = ids[rows, pos + 1]
         logp = sel.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(sel, dim=-1)
@@ -209,8 +247,7 @@ class TorchBackend(TrainerBackend):
     def _dummy_pass(self, model: torch.nn.Module, backward: bool) -> None:
         """A two-token pass so this rank joins the collectives of a micro-batch it does not have."""
         ids = torch.zeros(1, 2, dtype=torch.int64, device=self.device)
-        with self._autocast():
-            out = model(input_ids=ids, use_cache=False).logits
+        out = self._forward(model, ids)
         if backward:
             (out.float().sum() * 0.0).backward()
 
@@ -242,45 +279,55 @@ class TorchBackend(TrainerBackend):
             self._unpark_ref()
             result["ref_log_probs"] = self._log_probs_of(self.ref_model, local, False)[0]
             self._park_ref()
-        if self.world_size > 1:
-            gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, result)
-            result = {k: [t for part in gathered for t in part[k]] for k in result}
-        return result
+        return self._gather_samples(result)
 
-    def _log_probs_of(
-        self, model: torch.nn.Module, local: TrainBatch, with_entropy: bool
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def _gather_samples(self, result: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+        """Every rank's contiguous share concatenated in rank order, so every rank returns the whole batch."""
+        if self.world_size == 1:
+            return result
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, result)
+        return {k: [t for part in gathered for t in part[k]] for k in result}
+
+    def _response_rows(
+        self,
+        model: torch.nn.Module,
+        local: TrainBatch,
+        forward: Callable[[TrainBatch], dict[str, torch.Tensor]],
+    ) -> dict[str, list[torch.Tensor]]:
+        """Run ``forward(micro_batch) -> {name: [b, R] tensor}`` over ``local``'s micro-batches in eval mode
+        (ranks kept in step with dummy passes); returns per sample 1-D float32 CPU rows of response length."""
         was_training = model.training
         model.eval()
-        out: list[Any] = [None] * len(local)
-        ent: list[Any] = [None] * len(local)
+        out: dict[str, list[Any]] = {}
         plan = self._micro_batches(local) if len(local) else []
         for k in range(self._max_over_ranks(len(plan))):
             if k >= len(plan):
                 self._dummy_pass(model, backward=False)
                 continue
-            logp, entropy = self._response_log_probs(model, local.select(plan[k]), with_entropy)
-            for row, i in enumerate(plan[k]):
-                n = local.response_lengths[i]
-                out[i] = logp[row, :n].float().cpu()
-                if entropy is not None:
-                    ent[i] = entropy[row, :n].float().cpu()
+            for name, padded in forward(local.select(plan[k])).items():
+                rows = out.setdefault(name, [None] * len(local))
+                for row, i in enumerate(plan[k]):
+                    rows[i] = padded[row, : local.response_lengths[i]].float().cpu()
         model.train(was_training)
-        return out, (ent if with_entropy else None)
+        return out
+
+    def _log_probs_of(
+        self, model: torch.nn.Module, local: TrainBatch, with_entropy: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        def forward(mb: TrainBatch) -> dict[str, torch.Tensor]:
+            logp, entropy = self._response_log_probs(model, mb, with_entropy)
+            return {"log_probs": logp} if entropy is None else {"log_probs": logp, "entropy": entropy}
+
+        rows = self._response_rows(model, local, forward)
+        empty: list[torch.Tensor] = []
+        return rows.get("log_probs", empty), (rows.get("entropy", empty) if with_entropy else None)
 
     # ---- training ----------------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, rollout_id: int) -> dict[str, float]:
         s = self.settings
         t0 = time.perf_counter()
-        if batch.advantages is None:
-            raise ConfigError(
-                "train_step: the batch has no advantages; call batch.with_advantages(...) first"
-            )
-        if batch.old_log_probs is None:
-            batch = batch.with_log_probs(self.compute_log_probs(batch, rollout_id))
-        if s.uses_reference and s.use_kl_loss and batch.ref_log_probs is None:
-            raise ConfigError("use_kl_loss=True: the batch has no ref_log_probs; run compute_log_probs first")
+        batch = self._prepare_train_batch(batch, rollout_id)
         if s.global_batch_size % self.world_size != 0:
             raise ConfigError(
                 f"global_batch_size={s.global_batch_size}: must be a multiple of the {self.world_size} trainer ranks"
@@ -297,24 +344,48 @@ class TorchBackend(TrainerBackend):
                 totals[k] = totals.get(k, 0.0) + v
             grad_norms.append(grad_norm)
             lrs.append(lr)
-        metrics = {f"train/{k}": v / len(steps) for k, v in totals.items()}
-        metrics["train/loss"] = (
-            metrics.get("train/pg_loss", 0.0)
-            + s.kl_loss_coef * metrics.get("train/kl_loss", 0.0) * float(s.use_kl_loss)
-            - s.entropy_coef * metrics.get("train/entropy", 0.0)
-        )
-        metrics["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["train/lr"] = lrs[-1]
-        metrics["train/optimizer_steps"] = float(len(steps))
-        metrics.update(advantage_stats(batch))
+        prefix = self.METRIC_PREFIX
+        metrics = {f"{prefix}/{k}": v / len(steps) for k, v in totals.items()}
+        metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics[f"{prefix}/lr"] = lrs[-1]
+        metrics[f"{prefix}/optimizer_steps"] = float(len(steps))
+        metrics.update(self._role_metrics(batch, metrics))
         seconds = time.perf_counter() - t0
         tokens = float(sum(batch.total_lengths()))
-        metrics["perf/train_tokens"] = tokens
-        metrics["perf/train_step_time"] = seconds
-        metrics["perf/train_tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
+        metrics[f"perf/{prefix}_tokens"] = tokens
+        metrics[f"perf/{prefix}_step_time"] = seconds
+        metrics[f"perf/{prefix}_tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
         return metrics
 
+    def _prepare_train_batch(self, batch: TrainBatch, rollout_id: int) -> TrainBatch:
+        """Check the batch carries what this role's loss needs; fill in what can be computed here."""
+        s = self.settings
+        if batch.advantages is None:
+            raise ConfigError(
+                "train_step: the batch has no advantages; call batch.with_advantages(...) first"
+            )
+        if batch.old_log_probs is None:
+            batch = batch.with_log_probs(self.compute_log_probs(batch, rollout_id))
+        if s.uses_reference and s.use_kl_loss and batch.ref_log_probs is None:
+            raise ConfigError("use_kl_loss=True: the batch has no ref_log_probs; run compute_log_probs first")
+        return batch
+
+    def _role_metrics(self, batch: TrainBatch, metrics: dict[str, float]) -> dict[str, float]:
+        """Metrics derived from the step-averaged ones: the total loss and the advantage stats."""
+        s = self.settings
+        out = {
+            "train/loss": metrics.get("train/pg_loss", 0.0)
+            + s.kl_loss_coef * metrics.get("train/kl_loss", 0.0) * float(s.use_kl_loss)
+            - s.entropy_coef * metrics.get("train/entropy", 0.0)
+        }
+        out.update(advantage_stats(batch))
+        return out
+
     def _optimizer_step(self, step_batch: TrainBatch) -> tuple[dict[str, float], float, float]:
+        """One optimizer step over ``step_batch`` (global), gradients accumulated over micro-batches.
+
+        ``_micro_batch_loss`` returns the micro-batch's share of the global loss (global denominators),
+        so the accumulated gradient equals that of the whole step at once."""
         s = self.settings
         per_token = s.calculate_per_token_loss
         num_samples = len(step_batch)  # global: every rank sees the whole step
@@ -322,7 +393,7 @@ class TorchBackend(TrainerBackend):
         local = step_batch.shard(self.rank, self.world_size, balance=s.balance_data)
         plan = self._micro_batches(local)
         n_micro = self._max_over_ranks(len(plan))
-        sums = {k: torch.zeros((), dtype=torch.float64) for k in SUMMED_METRICS}
+        sums = {k: torch.zeros((), dtype=torch.float64) for k in self.SUMMED_METRICS}
         for k in range(n_micro):
             last = k == n_micro - 1
             if self.world_size > 1:
@@ -339,18 +410,23 @@ class TorchBackend(TrainerBackend):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.advance()
-        vec = torch.stack([sums[k] for k in SUMMED_METRICS])
+        vec = torch.stack([sums[k] for k in self.SUMMED_METRICS])
         if self.world_size > 1:
             vec = vec.to(self.device)
             dist.all_reduce(vec)
-        parts = {k: float(v) for k, v in zip(SUMMED_METRICS, vec.cpu(), strict=True)}
+        parts = {k: float(v) for k, v in zip(self.SUMMED_METRICS, vec.cpu(), strict=True)}
+        return self._used_metrics(parts), grad_norm, lr
+
+    def _used_metrics(self, parts: dict[str, float]) -> dict[str, float]:
+        """Drop the summed metrics of features that are off."""
+        s = self.settings
         if not s.use_tis:
             parts.pop("tis_weight")
         if s.eps_clip_c is None:
             parts.pop("dual_clipfrac")
         if not s.use_kl_loss:
             parts.pop("kl_loss")
-        return parts, grad_norm, lr
+        return parts
 
     def _micro_batch_loss(
         self, mb: TrainBatch, per_token: bool, num_samples: int, num_tokens: int
@@ -510,16 +586,19 @@ class TorchBackend(TrainerBackend):
     def save_hf(self, out_dir: str) -> str:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from raygym.checkpoint import write_hf_model
-
         state = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         if self.rank == 0:
-            write_hf_model(state, self.model_path, out_dir)
+            self._write_hf(state, out_dir)
         if self.world_size > 1:
             dist.barrier()
         return out_dir
+
+    def _write_hf(self, state: dict[str, torch.Tensor], out_dir: str) -> None:
+        from raygym.checkpoint import write_hf_model
+
+        write_hf_model(state, self.model_path, out_dir)
 
 
 def advantage_stats(batch: TrainBatch) -> dict[str, float]:
