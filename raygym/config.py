@@ -67,14 +67,17 @@ def _flag(field: str) -> str:
 # ── custom functions ─────────────────────────────────────────────────────────────────────────────
 
 
-def load_callable(value: Callable[..., Any] | str, field: str) -> Callable[..., Any]:
-    """Return ``value`` if it is callable, else import the path ``"pkg.module:function"``.
+def load_callable(value: Callable[..., Any] | str | None, field: str) -> Callable[..., Any] | None:
+    """Return ``value`` if it is callable, else import the path ``"pkg.module:function"`` (None or ""
+    stays None: the field is unset).
 
     Raises ConfigError naming ``field`` when the path does not import or does not name a callable.
 
     >>> load_callable("json:dumps", "custom_rm_function")([1])
     '[1]'
     """
+    if value is None or value == "":
+        return None
     if callable(value):
         return value
     if not isinstance(value, str) or not _IMPORT_PATH.match(value) or ("." not in value and ":" not in value):

@@ -27,7 +27,6 @@ A reward function that raises (or times out) gives reward 0.0 and records ``"Typ
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import re
@@ -36,6 +35,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from fractions import Fraction
 from typing import Any
 
+from raygym.config import load_callable
 from raygym.errors import ConfigError
 from raygym.types import Sample
 
@@ -156,30 +156,6 @@ BUILTIN_REWARDS: dict[str, Callable[[str, Any], float]] = {
     "exact": exact_reward,
     "next_digit": next_digit_reward,
 }
-
-
-def load_callable(spec: Callable[..., Any] | str | None, field: str) -> Callable[..., Any] | None:
-    """A callable given as itself or as an import path ``"pkg.mod:fn"`` (``"pkg.mod.fn"`` also works)."""
-    if spec is None or spec == "":
-        return None
-    if callable(spec):
-        return spec
-    if not isinstance(spec, str):
-        raise ConfigError(f"{field}={spec!r}: must be a callable or an import path 'pkg.module:function'")
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        module_name, _, attr = spec.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(f"{field}={spec!r}: not an import path; write it as 'pkg.module:function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"{field}={spec!r}: cannot import it ({e}); check the module is on PYTHONPATH") from None
-    if not callable(obj):
-        raise ConfigError(f"{field}={spec!r}: {type(obj).__name__} is not callable")
-    return obj
 
 
 def reward_convention(fn: Callable[..., Any]) -> str:

@@ -30,14 +30,13 @@ import path ``pkg.mod:fn``) are called as ``hook(args, rollout_id, batch)`` wher
 
 from __future__ import annotations
 
-import importlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from raygym.errors import ConfigError
+from raygym.config import load_callable
 
 
 @dataclass
@@ -133,29 +132,9 @@ class TrainerSettings:
         )
 
 
-def resolve_callable(spec: Any, field_name: str) -> Callable | None:
-    """A callable from a callable or an import path ``pkg.mod:fn`` / ``pkg.mod.fn`` (None stays None)."""
-    if spec is None or spec == "":
-        return None
-    if callable(spec):
-        return spec
-    module_name, sep, attr = str(spec).partition(":")
-    if not sep:
-        module_name, _, attr = str(spec).rpartition(".")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ConfigError(
-            f"{field_name}={spec!r}: cannot import it ({exc}); give 'package.module:function'"
-        ) from exc
-    if not callable(fn):
-        raise ConfigError(f"{field_name}={spec!r}: is not callable; give 'package.module:function'")
-    return fn
-
-
 def call_hook(settings: TrainerSettings, field_name: str, rollout_id: int, batch: Any) -> Any:
     """Run the hook named by ``field_name`` if set; returns the (possibly replaced) batch."""
-    hook = resolve_callable(getattr(settings, field_name), field_name)
+    hook = load_callable(getattr(settings, field_name), field_name)
     if hook is None:
         return batch
     result = hook(settings.hook_args, rollout_id, batch)

@@ -69,8 +69,8 @@ def test_tiny_preset_values():
     assert (r.actor_num_nodes, r.actor_num_gpus_per_node, r.colocate, r.rollout_num_gpus) == (1, 1, False, 1)
     assert (r.trainer_backend, r.rollout_engine, r.rm_type) == ("torch", "raygym", "next_digit")
     assert (r.rollout_batch_size, r.n_samples_per_prompt, r.global_batch_size) == (16, 8, 128)
-    assert (r.rollout_max_response_len, r.eval_max_response_len, r.num_rollout) == (8, 8, 40)
-    assert (r.lr, r.weight_decay, r.eval_interval, r.save, r.save_interval) == (1e-3, 0.0, None, "", 20)
+    assert (r.rollout_max_response_len, r.eval_max_response_len, r.num_rollout) == (8, 8, 100)
+    assert (r.lr, r.weight_decay, r.eval_interval, r.save, r.save_interval) == (2e-3, 0.0, None, "", 20)
     assert (r.use_fault_tolerance, r.rollout_health_check_first_wait) == (True, 5)
     assert r.update_weight_buffer_size == 16 * 1024 * 1024
     assert default_model("tiny").hf_checkpoint == TINY_MODEL

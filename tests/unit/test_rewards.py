@@ -224,7 +224,7 @@ def test_bad_custom_functions_are_config_errors():
         RewardModel(custom_rm_function="raygym.nope:fn")
     with pytest.raises(ConfigError, match="unsupported signature"):
         RewardModel(custom_rm_function=lambda a, b: 0.0)
-    with pytest.raises(ConfigError, match="must be a callable"):
+    with pytest.raises(ConfigError, match="not a callable or an import path"):
         RewardModel(custom_rm_function=42)
 
 
