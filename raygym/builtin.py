@@ -143,3 +143,36 @@ def materialize_dataset(uri: str, directory: str | os.PathLike, seed: int = 0, n
         tmp.write_text("".join(json.dumps(r) + "\n" for r in next_digit_rows(n, seed)))
         os.replace(tmp, path)
     return str(path)
+
+
+def default_cache_dir() -> str:
+    """``$RAYGYM_CACHE`` or ``~/.cache/raygym``: where builtin and remote models are materialised."""
+    return os.environ.get("RAYGYM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "raygym"))
+
+
+def resolve_model_path(hf_checkpoint: str, cache_dir: str | os.PathLike | None = None, seed: int = 0) -> str:
+    """A path transformers and the servers can load: builtin models are materialised, remote fsspec URLs
+    (``s3://``, ``gs://``, ``memory://`` ...) copied once under ``cache_dir``, local paths and Hub ids pass
+    through.
+
+    >>> resolve_model_path("/models/Qwen3-4B")
+    '/models/Qwen3-4B'
+    """
+    from raygym.errors import ConfigError
+
+    if not hf_checkpoint:
+        raise ConfigError("hf_checkpoint='': the run needs a model; set --hf-checkpoint (a path, URL or Hub id)")
+    cache = Path(cache_dir) if cache_dir is not None else Path(default_cache_dir())
+    if is_builtin(hf_checkpoint):
+        return materialize_model(hf_checkpoint, cache / "models", seed=seed)
+    if "://" in hf_checkpoint and not hf_checkpoint.startswith("file://"):
+        import fsspec
+
+        local = cache / "models" / hf_checkpoint.replace("://", "_").replace("/", "_")
+        if not (local / "config.json").exists():
+            fs, root = fsspec.core.url_to_fs(hf_checkpoint)
+            if not fs.exists(root):
+                raise ConfigError(f"hf_checkpoint={hf_checkpoint!r}: nothing at that URL; check the path")
+            fs.get(root.rstrip("/") + "/", str(local) + "/", recursive=True)
+        return str(local)
+    return hf_checkpoint.removeprefix("file://")

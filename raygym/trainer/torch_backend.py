@@ -36,6 +36,7 @@ from raygym.algo.batching import (
     pack_micro_batches,
 )
 from raygym.algo.losses import aggregate, entropy_from_logits, kl_loss, policy_loss, tis_weights
+from raygym.builtin import resolve_model_path
 from raygym.errors import ConfigError
 from raygym.trainer.backend import TrainerBackend, TrainerSettings, call_hook, dist_env
 from raygym.trainer.batch import TrainBatch
@@ -43,20 +44,6 @@ from raygym.trainer.optim import LrSchedule, build_optimizer, split_frozen
 
 RATIO_LEVEL = {"gspo": "sequence"}
 SUMMED_METRICS = ("pg_loss", "kl_loss", "entropy", "clipfrac", "approx_kl", "dual_clipfrac", "tis_weight")
-
-
-def resolve_model_path(hf_checkpoint: str) -> str:
-    """A local HF directory for ``hf_checkpoint`` (builtin models are materialised into a cache dir)."""
-    from raygym.builtin import is_builtin, materialize_model
-
-    if not hf_checkpoint:
-        raise ConfigError("hf_checkpoint='': the trainer needs a model; set ModelConfig(hf_checkpoint=...)")
-    if is_builtin(hf_checkpoint):
-        cache = os.environ.get("RAYGYM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "raygym"))
-        return materialize_model(hf_checkpoint, os.path.join(cache, "models"))
-    if not os.path.isdir(hf_checkpoint):
-        raise ConfigError(f"hf_checkpoint={hf_checkpoint!r}: not a local directory; download it first")
-    return hf_checkpoint
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
