@@ -1,9 +1,15 @@
 """The training loop: ``train(TrainConfig) -> TrainResult``.
 
-Synchronous (default) per step: rollout -> [colocate: engines release, trainers onload] -> log-probs
--> advantages -> train -> save/eval -> [colocate: trainers offload, engines resume] -> weight sync.
+Synchronous (default) per step: rollout -> [colocate: engines release memory, trainers onload] ->
+log-probs -> advantages -> train -> save every ``save_interval`` -> [colocate: trainers offload, engines
+resume their weights] -> weight sync (verified on every engine) -> [colocate: engines resume the KV
+cache] -> eval every ``eval_interval`` -> the next rollout starts -> metrics row, hooks, progress line.
 ``async_mode``: the rollout of step k+1 runs while step k trains (one step off-policy; each sample
 carries the weight version that generated it, never more than one behind).
+
+Sampling is reproducible: the rollout manager gives every request a ``sampling_seed`` derived from
+(``seed``, step, group, sample), so a run resumed from a checkpoint samples what an uninterrupted run
+did (sync mode; an async resume regenerates its first step with the checkpoint's newer weights).
 
 >>> from raygym import TrainConfig, train                   # doctest: +SKIP
 >>> from raygym.presets import tiny                          # doctest: +SKIP
@@ -16,13 +22,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raygym.errors import RaygymError
-from raygym.metrics import MetricsLogger, PhaseTimer, plot_reward_curve, progress_line, summary_table
+from raygym.errors import RaygymError, WeightSyncError
+from raygym.metrics import (
+    MetricsLogger,
+    PhaseTimer,
+    apply_substep_timing,
+    plot_reward_curve,
+    progress_line,
+    summary_table,
+    write_traces,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +56,7 @@ class TrainResult:
     hf_export_path: str | None = None
     reward_curve_path: str | None = None
     steps: list[dict[str, Any]] = field(default_factory=list)  # one metrics row per step of this run
+    events: list[str] = field(default_factory=list)  # phase order, see Loop.events
 
 
 def _console():
@@ -78,18 +97,43 @@ def _should(interval: int | None, step: int, last_step: int) -> bool:
     return bool(interval) and ((step + 1) % interval == 0 or step == last_step)
 
 
+def _eval_due(interval: int | None, step: int) -> bool:
+    """Eval after the sync of every ``eval_interval``-th step (a property of the step, not of the run's
+    length, so a resumed run evaluates at the same steps as an uninterrupted one)."""
+    return bool(interval) and (step + 1) % interval == 0
+
+
+def _call_log_hook(spec: Any, field_name: str, step: int, samples: Any, row: dict[str, Any]) -> None:
+    """Call a ``custom_*_log_function`` as ``fn(rollout_id, samples, metrics_row)``; a returned mapping
+    is merged into the row (extra metrics to log)."""
+    from raygym.config import load_callable
+
+    extra = load_callable(spec, field_name)(step, samples, row)
+    if isinstance(extra, dict):
+        row.update(extra)
+
+
 class Loop:
-    """One run's loop over a built :class:`raygym.graph.RunGraph`."""
+    """One run's loop over a built :class:`raygym.graph.RunGraph`.
+
+    ``events`` records the order of the phases that move memory and weights, as ``"<step>:<what>"``
+    (colocated: ``"0:engines.release"``, ``"0:trainers.onload"``, ``"0:train"``, ``"0:trainers.offload"``,
+    ``"0:engines.resume_weights"``, ``"0:sync"``, ``"0:engines.resume_kv_cache"``; otherwise ``"0:train"``,
+    ``"0:sync"``) so operators and tests can audit the colocated choreography.
+    """
 
     def __init__(self, cfg: Any, graph: Any, console: Any) -> None:
         self.cfg = cfg
         self.recipe = cfg.recipe
         self.graph = graph
         self.console = console
+        self.run_dir = Path(cfg.run_dir)
         self.metrics: MetricsLogger | None = None
         self.checkpoints: list[str] = []
         self.version = 0  # policy version the engines serve (= optimizer updates applied so far, by rollout)
         self.rows: list[dict[str, Any]] = []
+        self.events: list[str] = []
+        self.engine_rebuilds = 0  # weight-sync rebuilds after engine restarts
 
     # ---- phases ---------------------------------------------------------------------------------
     def _trainers(self, method: str, *args: Any) -> list[Any]:
@@ -98,9 +142,20 @@ class Loop:
         return ray.get([getattr(h, method).remote(*args) for h in self.graph.trainers.handles])
 
     def _engines(self, method: str, **kwargs: Any) -> None:
+        """Call an :class:`EngineClient` method on every synced engine. With fault tolerance a failing
+        engine is reported and skipped (its server died: the sync below leaves it out, the rollout
+        manager restarts it); otherwise the error propagates."""
         import ray
 
-        ray.get([h.call.remote(method, **kwargs) for h in self.graph.engines.handles])
+        handles = self.graph.engines.handles
+        refs = {i: handles[i].call.remote(method, **kwargs) for i in self.graph.synced_engines}
+        for i, ref in refs.items():
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayTaskError as exc:
+                if not self.recipe.use_fault_tolerance:
+                    raise
+                self.console.print(f"[yellow]engine {i}: {method} failed ({str(exc).splitlines()[0]})[/]")
 
     def resume(self) -> int:
         """Load the newest complete checkpoint of ``load`` (if any); returns the first rollout id to run."""
@@ -133,7 +188,9 @@ class Loop:
         if recipe.colocate:
             with timer.phase("offload"):
                 self._engines("release_memory_occupation")
+                self.events.append(f"{step}:engines.release")
                 self._trainers("onload")
+                self.events.append(f"{step}:trainers.onload")
         batch = TrainBatch.from_samples(samples, group_size=recipe.n_samples_per_prompt)
         with timer.phase("log_probs"):
             ref = ray.put(batch)
@@ -144,6 +201,7 @@ class Loop:
         with timer.phase("train"):
             ref = ray.put(batch)
             train_metrics = ray.get([h.train_step.remote(ref, step) for h in self.graph.trainers.handles])[0]
+        self.events.append(f"{step}:train")
         return {**train_metrics, **_advantage_stats(batch)}
 
     def save(self, step: int, data_state: dict[str, Any]) -> None:
@@ -151,26 +209,93 @@ class Loop:
         paths = self._trainers("save_checkpoint", step, extra, self.cfg.checkpoint_dir)
         self.checkpoints.append(paths[0])
 
-    def sync(self, version: int, timer: PhaseTimer) -> dict[str, float]:
+    def _recover_engines(self) -> dict[str, float]:
+        """Before a sync: if an engine was restarted (fault tolerance), wait for restarts in progress and
+        rebuild the weight sync over every live engine, so the push below reaches the new servers."""
         import ray
 
-        if self.recipe.colocate:
+        from raygym.graph import ENGINE_START_TIMEOUT_S
+
+        manager = self.graph.manager
+        states = ray.get(manager.engine_states.remote())
+        live = [i for i, state in enumerate(states) if state != "dead"]
+        if all(state == "healthy" for state in states) and live == self.graph.synced_engines:
+            return {}
+        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
+        while "dead" in states and time.monotonic() < deadline:  # restarting (or its restart failed)
+            time.sleep(0.25)
+            states = ray.get(manager.engine_states.remote())
+        live = [i for i, state in enumerate(states) if state != "dead"]
+        alive = ray.get([self.graph.engines.handles[i].alive.remote() for i in live])
+        live = [i for i, ok in zip(live, alive, strict=True) if ok]  # a death the manager has not seen yet
+        if not live:
+            raise RaygymError(f"every rollout engine is dead and could not be restarted (states {states})")
+        self.console.print(f"[yellow]engines restarted: re-forming the weight sync over engines {live}[/]")
+        self.graph.make_weight_sync(live)
+        self.engine_rebuilds += 1
+        return {"sync/engine_rebuilds": float(self.engine_rebuilds)}
+
+    def sync(self, version: int, step: int, timer: PhaseTimer) -> dict[str, float]:
+        import ray
+
+        colocate = self.recipe.colocate
+        if colocate:  # weights back before the push, the KV cache after it (FIELD-NOTES: SGLang)
             with timer.phase("offload"):
                 self._trainers("offload")
-                self._engines("resume_memory_occupation")
+                self.events.append(f"{step}:trainers.offload")
+                self._engines("resume_memory_occupation", tags=["weights"])
+                self.events.append(f"{step}:engines.resume_weights")
         with timer.phase("sync"):
-            out = self.graph.weight_sync.push(version)
+            out = self._recover_engines() if self.recipe.use_fault_tolerance else {}
+            out.update(self._push(version))
             self.version = version
+            self.events.append(f"{step}:sync")
+        if colocate:
+            with timer.phase("offload"):
+                self._engines("resume_memory_occupation", tags=["kv_cache"])
+                self.events.append(f"{step}:engines.resume_kv_cache")
+        with timer.phase("sync"):
             # Engines restarted by fault tolerance got the full push above: put them back in rotation.
-            for i in ray.get(self.graph.manager.engines_needing_weights.remote()):
+            ray.get(self.graph.manager.set_weight_version.remote(version))
+            needing = set(ray.get(self.graph.manager.engines_needing_weights.remote()))
+            for i in sorted(needing & set(self.graph.synced_engines)):
                 ray.get(self.graph.manager.mark_engine_synced.remote(i, version))
+            out["sync/engines"] = float(len(self.graph.synced_engines))
         return out
 
-    def evaluate(self, step: int, timer: PhaseTimer) -> dict[str, float]:
+    def _push(self, version: int) -> dict[str, float]:
+        """``weight_sync.push``; with fault tolerance, an engine whose server died since the last rollout
+        is left out (the rollout manager restarts it when its next request fails, and the next sync
+        brings it back) instead of failing the run."""
+        import ray
+
+        try:
+            return self.graph.weight_sync.push(version)
+        except WeightSyncError:
+            if not self.recipe.use_fault_tolerance:
+                raise
+            handles = self.graph.engines.handles
+            alive = ray.get([handles[i].alive.remote() for i in self.graph.synced_engines])
+            live = [i for i, ok in zip(self.graph.synced_engines, alive, strict=True) if ok]
+            if not live or len(live) == len(self.graph.synced_engines):
+                raise
+            self.console.print(f"[yellow]weight sync failed on a dead engine: syncing engines {live}[/]")
+            self.graph.make_weight_sync(live)
+            self.engine_rebuilds += 1
+            out = self.graph.weight_sync.push(version)
+            out["sync/engine_rebuilds"] = float(self.engine_rebuilds)
+            return out
+
+    def evaluate(self, step: int, timer: PhaseTimer) -> dict[str, Any]:
         import ray
 
         with timer.phase("eval"):
-            return ray.get(self.graph.manager.evaluate.remote(step))
+            row = ray.get(self.graph.manager.evaluate.remote(step))
+            spec = self.recipe.custom_eval_rollout_log_function
+            if spec:
+                samples = ray.get(self.graph.manager.eval_samples.remote())
+                _call_log_hook(spec, "custom_eval_rollout_log_function", step, samples, row)
+        return row
 
     # ---- the loop -------------------------------------------------------------------------------
     def run(self, start: int, metrics: MetricsLogger) -> int:
@@ -188,13 +313,16 @@ class Loop:
             t0 = time.perf_counter()
             with timer.phase("rollout"):
                 samples = ray.get(pending)
-            rollout_metrics = ray.get(manager.metrics.remote())
-            data_state = ray.get(manager.data_state.remote())
+            rollout_metrics, data_state = ray.get([manager.metrics.remote(), manager.data_state.remote()])
             pending = None
             if recipe.async_mode and step < last:
-                pending = manager.generate.remote(step + 1, self.version)  # overlaps training below
+                # Overlaps training below; generated on the weights of step `step` (one step stale).
+                pending = manager.generate.remote(step + 1, self.version)
             row: dict[str, Any] = dict(rollout_metrics)
+            # The manager's own generation time; perf/rollout_time below is what the driver waited.
+            row["rollout/generate_time"] = row.pop("perf/rollout_time", 0.0)
             row["rollout/weight_version_min"] = min(s.weight_version for s in samples)
+            row["rollout/weight_version_max"] = max(s.weight_version for s in samples)
             row["rollout/staleness_max"] = self.version - row["rollout/weight_version_min"]
             row.update(self.train_on(samples, step, timer))
             if recipe.async_mode and pending is not None:
@@ -203,33 +331,35 @@ class Loop:
             if _should(recipe.save_interval, step, last):
                 with timer.phase("save"):
                     self.save(step, data_state)
-            row.update(self.sync(step + 1, timer))
-            if recipe.eval_interval and (step + 1) % recipe.eval_interval == 0:
+            row.update(self.sync(step + 1, step, timer))
+            if _eval_due(recipe.eval_interval, step):
                 row.update(self.evaluate(step, timer))
             if not recipe.async_mode and step < last:
                 pending = manager.generate.remote(step + 1, self.version)
-            row.update(timer.as_metrics())
-            row["perf/step_time"] = time.perf_counter() - t0
-            row.setdefault("perf/rollout_time", 0.0)
-            row.setdefault("perf/train_time", 0.0)
-            row.setdefault("perf/sync_time", 0.0)
-            phases = sum(v for k, v in timer.seconds.items() if k != "rollout_wait")
-            row["perf/other_time"] = max(0.0, row["perf/step_time"] - phases)
-            tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
-            row["perf/tokens_per_s"] = tokens / row["perf/step_time"]
-            self._log_hooks(samples, step, row)
-            logged = self.metrics.log(step, row)
+            row.update(self._step_timing(timer, t0, samples))
+            if recipe.capture_trace:
+                write_traces(self.run_dir, step, samples)
+            if recipe.custom_rollout_log_function:
+                _call_log_hook(recipe.custom_rollout_log_function, "custom_rollout_log_function", step, samples, row)
+            logged = self.metrics.log(step, apply_substep_timing(row, recipe.substep_timing))
             self.rows.append(logged)
             self.console.print(progress_line(logged, recipe.num_rollout))
             final = step
         return final
 
-    def _log_hooks(self, samples: list[Any], step: int, row: dict[str, Any]) -> None:
-        from raygym.config import load_callable
-
-        spec = self.recipe.custom_rollout_log_function
-        if spec:
-            load_callable(spec, "custom_rollout_log_function")(step, samples, row)
+    @staticmethod
+    def _step_timing(timer: PhaseTimer, t0: float, samples: list[Any]) -> dict[str, float]:
+        """perf/<phase>_time per phase, perf/step_time, perf/other_time (control overhead: the step
+        minus its timed phases) and perf/tokens_per_s (prompt + response tokens of the step)."""
+        out: dict[str, float] = dict(timer.as_metrics())
+        step_time = time.perf_counter() - t0
+        out["perf/step_time"] = step_time
+        for key in ("perf/rollout_time", "perf/train_time", "perf/sync_time"):
+            out.setdefault(key, 0.0)
+        out["perf/other_time"] = max(0.0, step_time - sum(timer.seconds.values()))
+        tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
+        out["perf/tokens_per_s"] = tokens / step_time if step_time > 0 else 0.0
+        return out
 
 
 def _advantage_stats(batch: Any) -> dict[str, float]:
@@ -244,28 +374,48 @@ def _advantage_stats(batch: Any) -> dict[str, float]:
             "train/adv_abs_max": flat.abs().max().item()}
 
 
-def _hf_export_of(checkpoint: str) -> str | None:
-    import fsspec
+@contextmanager
+def _sigint_deferred(console: Any) -> Iterator[None]:
+    """While tearing down, a second Ctrl-C must not leave server processes and placement groups
+    behind: it is reported and ignored until the release is done (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
-    path = checkpoint.rstrip("/") + "/hf"
-    fs, root = fsspec.core.url_to_fs(path)
-    return path if fs.exists(root) else None
+    def handler(signum: int, frame: Any) -> None:
+        console.print("[yellow]still releasing actors and placement groups; one moment[/]")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def train(cfg: Any) -> TrainResult:
     """Run RL post-training as described by ``cfg`` (a :class:`raygym.TrainConfig`).
 
-    Starts a local Ray when none is connected (or joins ``RAY_ADDRESS``), builds the graph, runs
-    ``num_rollout`` steps, and always releases every actor and placement group it started — also on
-    Ctrl-C or an actor's death, which is re-raised as :class:`raygym.errors.RaygymError` naming the
-    actor and the last complete checkpoint.
+    Attaches to the Ray of this process, else joins ``RAY_ADDRESS`` (``ray job submit``), else starts
+    a local one; builds the graph, runs steps ``start .. num_rollout-1``, exports the final weights as
+    an HF model (``<run_dir>/hf``) when the run saves checkpoints, and always releases every actor and
+    placement group it started — also on Ctrl-C (re-raised as ``KeyboardInterrupt``; a checkpoint
+    being written is left without its manifest, so it never counts as complete) or an actor's death
+    (re-raised as :class:`raygym.errors.RaygymError` naming the actor and the last complete checkpoint).
+
+    Hooks: ``custom_rollout_log_function(rollout_id, samples, metrics_row)`` after each step (the
+    step's ``list[Sample]``; ``metrics_row`` the dict about to be logged) and
+    ``custom_eval_rollout_log_function(rollout_id, samples, metrics_row)`` after each eval (samples:
+    ``{dataset name: list[Sample]}``; ``metrics_row`` the ``eval/*`` dict). Either may return a dict
+    of extra metrics, merged into the row.
     """
     import ray
 
-    from raygym.graph import build_graph, raise_actor_death, resolve_model_path
+    from raygym.builtin import resolve_model_path
+    from raygym.graph import build_graph, last_complete_checkpoint, raise_actor_death
 
     console = _console()
     recipe = cfg.recipe
+    apply_substep_timing({}, recipe.substep_timing)  # a bad value fails before any resource is taken
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model_path(cfg.model.hf_checkpoint, run_dir / "cache", seed=0)
@@ -277,6 +427,8 @@ def train(cfg: Any) -> TrainResult:
     graph = None
     loop = None
     final = -1
+    hf_path = None
+    fast_release = True
     try:
         graph = build_graph(cfg, model_path, run_dir, say=console.print)
         loop = Loop(cfg, graph, console)
@@ -284,16 +436,20 @@ def train(cfg: Any) -> TrainResult:
         with MetricsLogger(run_dir, cfg.metrics, run_id=cfg.run_id, config_dict=cfg.to_json_dict(),
                            resume_from_step=start if recipe.load else None) as metrics:
             final = loop.run(start, metrics)
+        if loop.checkpoints:
+            hf_path = loop._trainers("export_hf", str(run_dir / "hf"))[0]
+        fast_release = False
     except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
-        raise_actor_death(exc, graph, loop.checkpoints[-1] if loop and loop.checkpoints else None)
+        raise_actor_death(exc, graph, last_complete_checkpoint(cfg.checkpoint_dir))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: releasing actors and placement groups[/]")
         raise
     finally:
-        if graph is not None:
-            graph.shutdown()
-        if owns_ray:
-            ray.shutdown()
+        with _sigint_deferred(console):
+            if graph is not None:
+                graph.shutdown(fast=fast_release)
+            if owns_ray:
+                ray.shutdown()
 
     history = loop.metrics.history if loop and loop.metrics else []
     curve = plot_reward_curve(history, run_dir / "reward_curve.png")
@@ -306,9 +462,10 @@ def train(cfg: Any) -> TrainResult:
         metrics_path=str(run_dir / "metrics.jsonl"),
         final_step=final,
         checkpoint_paths=list(loop.checkpoints) if loop else [],
-        hf_export_path=_hf_export_of(loop.checkpoints[-1]) if loop and loop.checkpoints else None,
+        hf_export_path=hf_path,
         reward_curve_path=curve,
         steps=list(loop.rows) if loop else [],
+        events=list(loop.events) if loop else [],
     )
 
 

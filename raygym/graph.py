@@ -8,7 +8,6 @@ server processes terminated by their engine actors.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ from raygym.errors import ConfigError, RaygymError
 logger = logging.getLogger(__name__)
 
 ROLLOUT_ENGINES = ("auto", "raygym", "sglang")
-WEIGHT_LOADER = "raygym.weightsync.loader:load_payload"
 ENGINE_START_TIMEOUT_S = 600.0
 
 
@@ -35,24 +33,6 @@ def choose_rollout_engine(name: str) -> str:
     return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "raygym"
 
 
-def resolve_model_path(hf_checkpoint: str, cache_dir: str | os.PathLike, seed: int = 0) -> str:
-    """A path every actor can load: builtin models are materialised, remote fsspec URLs copied locally,
-    local paths and Hub ids pass through unchanged."""
-    from raygym.builtin import is_builtin, materialize_model
-
-    if is_builtin(hf_checkpoint):
-        return materialize_model(hf_checkpoint, Path(cache_dir) / "models", seed=seed)
-    if "://" in hf_checkpoint and not hf_checkpoint.startswith("file://"):
-        import fsspec
-
-        local = Path(cache_dir) / "models" / hf_checkpoint.replace("://", "_").replace("/", "_")
-        if not (local / "config.json").exists():
-            fs, root = fsspec.core.url_to_fs(hf_checkpoint)
-            fs.get(root.rstrip("/") + "/", str(local) + "/", recursive=True)
-        return str(local)
-    return hf_checkpoint.removeprefix("file://")
-
-
 @dataclass
 class RunGraph:
     """Handles of every actor of a run; ``shutdown()`` ends them all (idempotent)."""
@@ -64,15 +44,41 @@ class RunGraph:
     manager: Any  # Ray actor handle of RolloutManager
     weight_sync: Any  # raygym.weightsync.coordinator.WeightSync
     closed: bool = field(default=False)
+    recipe: Any = None
+    synced_engines: list[int] = field(default_factory=list)  # engine indexes the weight sync covers
 
-    def shutdown(self) -> None:
+    def make_weight_sync(self, engine_indexes: list[int]) -> Any:
+        """A connected :class:`WeightSync` from the trainers to ``engine_indexes`` (at their current URLs).
+
+        Used at start and after an engine restart (a restarted server listens on a new port and must
+        join a new weight-update group); its first push is a full one.
+        """
+        import ray
+
+        from raygym.weightsync.coordinator import WeightSync
+
+        if self.weight_sync is not None:
+            self.weight_sync.shutdown()  # the trainer leaves the old group; live engines destroy theirs
+            self.weight_sync = None
+        self.engine_urls = ray.get([h.url.remote() for h in self.engines.handles])
+        engine_kind = choose_rollout_engine(self.recipe.rollout_engine)
+        overrides: dict[str, Any] = {"group_protocol": "raygym"} if engine_kind == "raygym" else {}
+        sync = WeightSync(self.recipe, self.trainers.handles, [self.engine_urls[i] for i in engine_indexes],
+                          spec_overrides=overrides)
+        sync.setup()
+        self.weight_sync, self.synced_engines = sync, list(engine_indexes)
+        return sync
+
+    def shutdown(self, fast: bool = False) -> None:
+        """End every actor and release the placement group. ``fast`` (Ctrl-C, a dead trainer) skips
+        the trainers' orderly weight-sync goodbye, which would wait behind a busy or dead trainer."""
         if self.closed:
             return
         self.closed = True
         import ray
 
         steps = (
-            ("weight sync", lambda: self.weight_sync and self.weight_sync.shutdown()),
+            ("weight sync", lambda: self.weight_sync and not fast and self.weight_sync.shutdown()),
             ("rollout manager", lambda: self.manager and ray.get(self.manager.close.remote(), timeout=30)),
             ("engines", lambda: self.engines and ray.get(
                 [h.shutdown.remote() for h in self.engines.handles], timeout=60)),
@@ -103,7 +109,7 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
     from raygym.rollout.engine import EngineActor
     from raygym.rollout.manager import RolloutManager
     from raygym.trainer.actor import TrainerActor
-    from raygym.weightsync.coordinator import WeightSync
+    from raygym.weightsync.payload import LOADER
 
     recipe = cfg.recipe
     if recipe.use_critic:
@@ -112,7 +118,7 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
             "use a critic-free estimator (grpo, dr_grpo, gspo, reinforce_plus_plus[_baseline])"
         )
     engine_kind = choose_rollout_engine(recipe.rollout_engine)
-    graph = RunGraph(None, None, None, [], None, None)
+    graph = RunGraph(None, None, None, [], None, None, recipe=recipe)
     try:
         say(f"placement: {recipe.gpu_allocation().total_gpus} GPU bundles ...")
         graph.placement = allocate_for_recipe(recipe).ensure_ready()
@@ -129,7 +135,7 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
                 "backend": engine_kind,
                 "log_dir": str(run_dir / "logs"),
                 "startup_timeout": ENGINE_START_TIMEOUT_S,
-                "extra_server_args": ["--custom-weight-loader", WEIGHT_LOADER] if engine_kind == "raygym" else [],
+                "extra_server_args": ["--custom-weight-loader", LOADER] if engine_kind == "raygym" else [],
             },
             environment=recipe.environment,
         )
@@ -141,9 +147,7 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
         graph.manager = manager_cls.options(num_cpus=0, max_concurrency=64).remote(
             cfg, graph.engines.handles, model_path, data_cache_dir=str(run_dir / "cache")
         )
-        overrides: dict[str, Any] = {"group_protocol": "raygym"} if engine_kind == "raygym" else {}
-        graph.weight_sync = WeightSync(recipe, graph.trainers.handles, graph.engine_urls, spec_overrides=overrides)
-        graph.weight_sync.setup()
+        graph.make_weight_sync(list(range(len(graph.engines))))
         call_all(graph.trainers, "get_rank")  # surfaces an init failure now, with its traceback
         return graph
     except BaseException:
@@ -166,6 +170,20 @@ def describe_actor_death(exc: BaseException, graph: RunGraph | None) -> str:
     return text
 
 
+def last_complete_checkpoint(checkpoint_dir: str) -> str | None:
+    """The newest checkpoint under ``checkpoint_dir`` whose manifest is complete (None if none)."""
+    from raygym.checkpoint import latest_checkpoint
+
+    try:
+        info = latest_checkpoint(checkpoint_dir)
+    except Exception as exc:  # an unreadable directory must not hide the actor's death
+        logger.debug("listing checkpoints in %s failed: %s", checkpoint_dir, exc)
+        return None
+    return info.path if info is not None else None
+
+
 def raise_actor_death(exc: BaseException, graph: RunGraph | None, last_checkpoint: str | None) -> None:
-    where = f"; the last complete checkpoint is {last_checkpoint}" if last_checkpoint else "; no checkpoint was saved"
+    """Re-raise an actor's death as :class:`RaygymError` naming the actor and the last complete checkpoint."""
+    where = (f"; the last complete checkpoint is {last_checkpoint} (resume with load={last_checkpoint.rsplit('/', 1)[0]!r})"
+             if last_checkpoint else "; no complete checkpoint was saved")
     raise RaygymError(f"the run failed: {describe_actor_death(exc, graph)}{where}") from exc

@@ -170,6 +170,59 @@ class MetricsLogger:
         self.close()
 
 
+# perf/* keys every row keeps even with substep_timing="off" (DESIGN.md's required keys + throughput).
+CORE_PERF_KEYS = frozenset({"perf/step_time", "perf/rollout_time", "perf/train_time", "perf/sync_time",
+                            "perf/eval_time", "perf/tokens_per_s"})
+SUBSTEP_TIMING = ("auto", "off")
+
+
+def apply_substep_timing(row: Mapping[str, Any], substep_timing: str) -> dict[str, Any]:
+    """``"auto"``: the row as is. ``"off"``: drop the per-substep timings (perf/* beyond
+    :data:`CORE_PERF_KEYS`, e.g. ``perf/log_probs_time``, ``perf/offload_time``, ``perf/other_time``).
+
+    >>> apply_substep_timing({"perf/step_time": 2.0, "perf/log_probs_time": 0.1, "x": 1}, "off")
+    {'perf/step_time': 2.0, 'x': 1}
+    """
+    if substep_timing not in SUBSTEP_TIMING:
+        from raygym.errors import ConfigError
+
+        raise ConfigError(f"substep_timing={substep_timing!r}: use 'auto' or 'off'")
+    if substep_timing == "auto":
+        return dict(row)
+    return {k: v for k, v in row.items() if not k.startswith("perf/") or k in CORE_PERF_KEYS}
+
+
+def trace_record(step: int, sample: Any) -> dict[str, Any]:
+    """One JSON line of ``traces/step_NNNNNN.jsonl``: where and when a sampled request ran
+    (``queued``/``sent``/``done`` are Unix seconds, ``engine`` the engine index) and what it produced."""
+    return {
+        "step": step,
+        "group_index": sample.group_index,
+        "sample_index": sample.sample_index,
+        "data_index": sample.data_index,
+        "engine_name": sample.engine,
+        "weight_version": sample.weight_version,
+        "prompt_tokens": len(sample.prompt_tokens),
+        "response_tokens": sample.response_length,
+        "finish_reason": sample.finish_reason,
+        "reward": sample.reward,
+        "response_text": sample.response_text,
+        **{k: _jsonable(v) for k, v in (sample.trace or {}).items()},
+    }
+
+
+def write_traces(run_dir: str | os.PathLike, step: int, samples: list[Any]) -> str | None:
+    """Save the traced samples of one step (``capture_trace``) as ``<run_dir>/traces/step_NNNNNN.jsonl``;
+    returns the path, or None when no sample carries a trace."""
+    traced = [s for s in samples if getattr(s, "trace", None)]
+    if not traced:
+        return None
+    path = Path(run_dir) / "traces" / f"step_{step:06d}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(trace_record(step, s)) + "\n" for s in traced))
+    return str(path)
+
+
 def progress_line(row: Mapping[str, Any], num_steps: int) -> str:
     """The one-line per-step summary the driver prints (rich markup)."""
     def f(key: str, fmt: str) -> str:
@@ -227,7 +280,7 @@ def plot_reward_curve(history: list[Mapping[str, Any]], path: str | os.PathLike)
         ax.plot(steps, smooth, linewidth=2, label=f"moving mean ({window} steps)")
     for key in sorted({k for r in history for k in r if k.startswith("eval/") and k.endswith("reward_mean")}):
         pts = [(r["step"], r[key]) for r in history if isinstance(r.get(key), (int, float))]
-        ax.plot(*zip(*pts), marker="s", linestyle="--", label=key)
+        ax.plot(*zip(*pts, strict=True), marker="s", linestyle="--", label=key)
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)

@@ -37,6 +37,7 @@ Custom post-processing (``custom_reward_post_process_function``) runs on the fin
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import math
 import time
@@ -102,6 +103,22 @@ class RolloutSettings:
                 f"{settings.n_samples_per_prompt}: both must be positive ints"
             )
         return settings
+
+
+def derive_sampling_seed(seed: int, *key: Any) -> int:
+    """A per-request ``sampling_seed`` from the run seed and the request's place in the run.
+
+    ``key`` is e.g. ``("rollout", rollout_id, group, sample)``: the same request gets the same seed
+    whatever the batch composition, routing or timing, so a resumed run samples what an
+    uninterrupted one did.
+
+    >>> derive_sampling_seed(1234, "rollout", 3, 0, 1) == derive_sampling_seed(1234, "rollout", 3, 0, 1)
+    True
+    >>> derive_sampling_seed(1234, "rollout", 3, 0, 1) != derive_sampling_seed(1234, "rollout", 3, 0, 2)
+    True
+    """
+    digest = hashlib.blake2b(repr((int(seed), *key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -178,6 +195,10 @@ class RolloutManager:
         self._metrics: dict[str, float] = {}
         self._seen: list[Sample] = []  # every sample generated this step (kept or not)
         self._trace_budget = 0
+        self._seed = _field(cfg, "seed", None)  # None: engines draw their own seeds
+        self._seed_scope: tuple[Any, ...] = ("rollout", 0)
+        self._group_counter = 0  # groups requested in the current scope (names their seeds)
+        self._eval_samples: dict[str, list[Sample]] = {}
 
     # --- lifecycle and driver-facing state -----------------------------------------------------
 
@@ -199,6 +220,12 @@ class RolloutManager:
         """Return a restarted engine to the router; True if ``weight_version`` is the current one."""
         return self.pool.mark_engine_synced(engine_index, weight_version)
 
+    def set_weight_version(self, weight_version: int) -> None:
+        """Every serving engine now holds ``weight_version`` (the driver calls this after a sync, before
+        :meth:`mark_engine_synced` for the restarted engines it pushed to)."""
+        self.weight_version = weight_version
+        self.pool.set_weight_version(weight_version)
+
     def engine_states(self) -> list[str]:
         """``healthy`` | ``dead`` | ``needs_weights`` per engine (push weights to the non-dead ones)."""
         return [self.pool.router.state(i) for i in range(self.pool.router.num_engines)]
@@ -213,6 +240,10 @@ class RolloutManager:
     def metrics(self) -> dict[str, float]:
         """Metrics of the last :meth:`generate` (``rollout/*``)."""
         return dict(self._metrics)
+
+    def eval_samples(self) -> dict[str, list[Sample]]:
+        """The samples of the last :meth:`evaluate`, per eval dataset."""
+        return dict(self._eval_samples)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -281,9 +312,16 @@ class RolloutManager:
         if score_now:
             await self.rewards.score([sample])
 
-    async def generate_group(self, row: PromptRow, params: dict[str, Any], n: int | None = None) -> list[Sample]:
-        """Generate and score ``n`` (default ``n_samples_per_prompt``) samples for one prompt."""
+    async def generate_group(self, row: PromptRow, params: dict[str, Any], n: int | None = None,
+                             *, group_key: int | None = None) -> list[Sample]:
+        """Generate and score ``n`` (default ``n_samples_per_prompt``) samples for one prompt.
+
+        With a recipe ``seed``, sample ``j`` is sent with ``sampling_seed`` derived from (seed, step
+        or eval scope, ``group_key``, j); ``group_key`` defaults to the order of the calls in the step."""
         n = n or self.settings.n_samples_per_prompt
+        if group_key is None:
+            group_key = self._group_counter
+            self._group_counter += 1
         samples = [
             Sample(prompt=row.prompt, prompt_tokens=list(row.prompt_tokens), group_index=-1, sample_index=j,
                    data_index=row.data_index, label=row.label, metadata=dict(row.metadata),
@@ -291,11 +329,18 @@ class RolloutManager:
             for j in range(n)
         ]
         batched = self.rewards.convention == "batched"
-        await asyncio.gather(*(self._generate_sample(s, params, score_now=not batched) for s in samples))
+        await asyncio.gather(*(self._generate_sample(s, self._seeded(params, group_key, s.sample_index),
+                                                     score_now=not batched) for s in samples))
         if batched:
             await self.rewards.score(samples)
         self._seen.extend(samples)
         return samples
+
+    def _seeded(self, params: dict[str, Any], group_key: int, sample_index: int) -> dict[str, Any]:
+        if self._seed is None or "sampling_seed" in params:
+            return params
+        seed = derive_sampling_seed(self._seed, *self._seed_scope, group_key, sample_index)
+        return {**params, "sampling_seed": seed}
 
     # --- one training step ---------------------------------------------------------------------
 
@@ -308,6 +353,7 @@ class RolloutManager:
             self.weight_version = weight_version
             self.pool.set_weight_version(weight_version)
         self._seen = []
+        self._seed_scope, self._group_counter = ("rollout", rollout_id), 0
         self._trace_budget = self.settings.trace_sample_limit if self.settings.capture_trace else 0
         self.pool.router.reset_counts()
         failures_before, retries_before = len(self.pool.failures), self.pool.retries
@@ -343,8 +389,9 @@ class RolloutManager:
                 break
             stats["rounds"] += 1
             rows = self.dataset.next_batch(max(need, round_size))
-            tasks = {asyncio.create_task(self.generate_group(row, params)): (round_index, pos)
-                     for pos, row in enumerate(rows)}
+            first_key, self._group_counter = self._group_counter, self._group_counter + len(rows)
+            tasks = {asyncio.create_task(self.generate_group(row, params, group_key=first_key + pos)):
+                     (round_index, pos) for pos, row in enumerate(rows)}
             pending: set[asyncio.Task[list[Sample]]] = set(tasks)
             try:
                 while pending:
@@ -423,10 +470,13 @@ class RolloutManager:
         if self.settings.use_fault_tolerance:
             self.pool.monitor.activate()
         try:
+            self._eval_samples = {}
             for name, dataset in self.eval_datasets.items():
-                groups = await asyncio.gather(*(self.generate_group(dataset[i], params, n)
+                self._seed_scope = ("eval", rollout_id, name)
+                groups = await asyncio.gather(*(self.generate_group(dataset[i], params, n, group_key=i)
                                                 for i in range(len(dataset))))
                 samples = [s for g in groups for s in g]
+                self._eval_samples[name] = samples
                 correct = [sum(float(s.reward or 0.0) >= self.pass_threshold for s in g) for g in groups]
                 prefix = f"eval/{name}/"
                 out[prefix + "reward_mean"] = sum(float(s.reward or 0.0) for s in samples) / len(samples)

@@ -1,0 +1,150 @@
+"""End-to-end step time of the tiny preset: per-phase split, sync vs async, and TRL's GRPOTrainer.
+
+Figures (one JSON line each, with the machine):
+
+- ``raygym_step_split_<mode>``: mean seconds per step and per phase (rollout wait, log-probs, train,
+  sync, eval, other = control overhead) over the measured steps, and other's share of the step;
+- ``async_vs_sync_step_s``: async step time against the sync step time of the same run (ratio);
+- ``raygym_vs_trl_step_s`` / ``raygym_async_vs_trl_step_s``: raygym's step time against TRL's
+  ``GRPOTrainer`` on the same task, model, group size, prompts per step, response length and learning
+  rate, run on the same machine in the same run (goal: ratio <= 1.0; stretch: async <= 0.5).
+
+TRL is not a raygym dependency: it runs in its own interpreter, ``--trl-python`` (default: the
+``TRL_PYTHON`` environment variable; without either, the TRL figures are skipped with a message).
+Create that interpreter once with::
+
+    python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install trl
+
+    python benchmarks/e2e.py --steps 12 --trl-python .venv-trl/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("rollout", "log_probs", "train", "sync", "eval", "other")
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {"cores": os.cpu_count(), "device": device, "torch": torch.__version__,
+            "python": platform.python_version()}
+
+
+def tiny_config(out: Path, **overrides: Any):
+    from raygym import DatasetConfig, ModelConfig, Recipe, TrainConfig
+    from raygym.builtin import NEXT_DIGIT_TASK, TINY_MODEL
+    from raygym.presets import tiny
+
+    fields = {**tiny().model_dump(), "save_interval": 10**6, **overrides}
+    return TrainConfig(recipe=Recipe(**fields), model=ModelConfig(hf_checkpoint=TINY_MODEL),
+                       dataset=DatasetConfig(prompt_data=NEXT_DIGIT_TASK), output_dir=str(out))
+
+
+def split(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
+    """Mean seconds per step of each phase over the rows after ``warmup``."""
+    measured = rows[warmup:] or rows
+
+    def mean(key: str) -> float:
+        return sum(float(r.get(key) or 0.0) for r in measured) / len(measured)
+
+    out = {"step_s": mean("perf/step_time"), "measured_steps": len(measured)}
+    for phase in PHASES:
+        out[f"{phase}_s"] = mean(f"perf/{phase}_time")
+    # time spent moving memory (colocate) and saving is neither control overhead nor a named phase above
+    out["offload_save_wait_s"] = mean("perf/offload_time") + mean("perf/save_time") + mean("perf/rollout_wait_time")
+    out["other_frac"] = out["other_s"] / out["step_s"] if out["step_s"] else 0.0
+    out["reward_first"] = float(rows[0]["rollout/reward_mean"])
+    out["reward_last"] = float(rows[-1]["rollout/reward_mean"])
+    return out
+
+
+def run_raygym(mode: str, steps: int, work: Path) -> list[dict[str, Any]]:
+    from raygym.driver import train
+
+    overrides: dict[str, Any] = {"num_rollout": steps}
+    if mode == "async":
+        overrides["async_mode"] = True
+    with contextlib.redirect_stdout(sys.stderr):  # progress lines to stderr: stdout carries only JSON lines
+        result = train(tiny_config(work / mode, **overrides))
+    return result.steps
+
+
+def run_trl(python: str, model_dir: str, steps: int, warmup: int, recipe: Any) -> dict[str, Any]:
+    argv = [python, str(REPO_ROOT / "benchmarks" / "trl_baseline.py"), "--model-dir", model_dir,
+            "--prompts", str(recipe.rollout_batch_size), "--group", str(recipe.n_samples_per_prompt),
+            "--max-new-tokens", str(recipe.rollout_max_response_len), "--lr", str(recipe.lr),
+            "--steps", str(steps), "--warmup", str(warmup), "--seed", str(recipe.seed)]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"trl_baseline.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def emit(figure: str, info: dict[str, Any], **values: Any) -> None:
+    print(json.dumps({"figure": figure, **values, "machine": info}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=12, help="steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the means")
+    p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON"),
+                   help="interpreter with trl installed (default: $TRL_PYTHON; unset = skip TRL)")
+    p.add_argument("--modes", default="sync,async", help="comma-separated: sync, async")
+    args = p.parse_args(argv)
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    from raygym.builtin import TINY_MODEL, materialize_model
+    from raygym.presets import tiny
+
+    info = machine()
+    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2) + 4, num_gpus=4, include_dashboard=False,
+             log_to_driver=False)  # one Ray for every run: train() attaches to it
+    results: dict[str, dict[str, float]] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="raygym-bench-e2e-") as tmp:
+            work = Path(tmp)
+            for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+                rows = run_raygym(mode, args.steps, work)
+                results[mode] = split(rows, args.warmup)
+                emit(f"raygym_step_split_{mode}", info, **results[mode])
+            if "sync" in results and "async" in results:
+                emit("async_vs_sync_step_s", info, value=results["async"]["step_s"],
+                     baseline=results["sync"]["step_s"], ratio=results["async"]["step_s"] / results["sync"]["step_s"])
+            if not args.trl_python:
+                print("# TRL figures skipped: pass --trl-python or set TRL_PYTHON (see this script's docstring)",
+                      file=sys.stderr)
+                return 0
+            recipe = tiny()
+            model_dir = materialize_model(TINY_MODEL, work / "models", seed=0)
+            trl = run_trl(args.trl_python, model_dir, args.steps, args.warmup, recipe)
+            base = trl["trl_seconds_per_step"]
+            for mode, figure in (("sync", "raygym_vs_trl_step_s"), ("async", "raygym_async_vs_trl_step_s")):
+                if mode in results:
+                    emit(figure, info, value=results[mode]["step_s"], baseline=base,
+                         ratio=results[mode]["step_s"] / base, trl=trl,
+                         setup={"prompts": recipe.rollout_batch_size, "group": recipe.n_samples_per_prompt,
+                                "max_new_tokens": recipe.rollout_max_response_len, "lr": recipe.lr})
+    finally:
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

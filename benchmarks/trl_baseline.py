@@ -1,0 +1,120 @@
+"""The TRL side of ``benchmarks/e2e.py``: the same GRPO step through TRL's ``GRPOTrainer``.
+
+Runs in TRL's own interpreter (TRL is not a raygym dependency). Create it once with
+``python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install trl``, then
+``benchmarks/e2e.py --trl-python .venv-trl/bin/python`` runs this script there as a subprocess.
+
+Same task (builtin next-digit prompts, the same shaped reward), same model (a tiny Qwen3 checkpoint
+directory written by ``raygym.builtin``), same group size, prompts per step, response length and
+learning rate; one optimizer step per generation, no KL term, CPU. Prints one JSON line:
+``{"trl_seconds_per_step": ..., "steps": ..., "reward_first": ..., "reward_last": ...}``.
+
+    .venv-trl/bin/python benchmarks/trl_baseline.py --model-dir /tmp/tiny-qwen3 --steps 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+
+
+def next_digit_rows(n: int, seed: int) -> list[dict[str, str]]:
+    """Prompts ``next:7=`` with label ``8``, as ``raygym.builtin.next_digit_rows`` writes them."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        d = rng.randrange(10)
+        rows.append({"prompt": f"next:{d}=", "label": str((d + 1) % 10)})
+    return rows
+
+
+def next_digit_reward(response: str, label: str) -> float:
+    """The reward of ``raygym.builtin.next_digit_reward`` (0.25 digit first, +0.5 right, +0.25 stop)."""
+    text = response.strip()
+    if not text or not text[0].isdigit():
+        return 0.0
+    return 0.25 + (0.5 if text[0] == label else 0.0) + (0.25 if len(text) == 1 else 0.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", required=True, help="HF checkpoint directory (model + tokenizer)")
+    p.add_argument("--prompts", type=int, default=16, help="prompts per step (rollout_batch_size)")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt (n_samples_per_prompt)")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean")
+    p.add_argument("--seed", type=int, default=1234)
+    args = p.parse_args(argv)
+
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.started = 0.0
+            self.seconds: list[float] = []
+            self.rewards: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds.append(time.perf_counter() - self.started)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                self.rewards.append(float(logs["reward"]))
+
+    def reward(prompts, completions, label, **kwargs):
+        return [next_digit_reward(c, lab) for c, lab in zip(completions, label, strict=True)]
+
+    rows = next_digit_rows(max(1024, args.prompts * (args.steps + 1)), args.seed)
+    clock = StepClock()
+    with tempfile.TemporaryDirectory(prefix="trl-bench-") as out:
+        config = GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=args.prompts * args.group,  # completions per optimizer step
+            num_generations=args.group,
+            max_completion_length=args.max_new_tokens,
+            steps_per_generation=1,
+            num_iterations=1,
+            learning_rate=args.lr,
+            weight_decay=0.0,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            beta=0.0,
+            temperature=1.0,
+            max_steps=args.steps,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            bf16=False,
+            seed=args.seed,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        trainer = GRPOTrainer(model=args.model_dir, reward_funcs=reward, args=config,
+                              train_dataset=Dataset.from_list(rows), callbacks=[clock])
+        trainer.train()
+    measured = clock.seconds[args.warmup:] or clock.seconds
+    print(json.dumps({
+        "trl_seconds_per_step": sum(measured) / len(measured),
+        "steps": len(clock.seconds),
+        "measured_steps": len(measured),
+        "reward_first": clock.rewards[0] if clock.rewards else None,
+        "reward_last": clock.rewards[-1] if clock.rewards else None,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
