@@ -19,6 +19,11 @@ and ``GET /raygym/stats`` (batching counters). Errors are SGLang's
 
 Generation runs on :class:`raygym.rollout.generation.GenerationEngine`'s own thread; weight
 loading and process-group work run in executor threads, so the HTTP loop never blocks.
+
+Weight updates: groups are joined the SGLang way (:func:`new_process_group`); every receive-side
+broadcast is bounded by ``--weight-update-timeout``; requests of one group are received in arrival
+order (a sender may post bucket k+1 while bucket k still loads); ``/update_weights_from_disk``
+refuses a raygym version directory that has a manifest but no ``DONE`` marker.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +54,7 @@ from raygym.rollout.generation import (
     GenerationRequest,
     SamplingParams,
 )
+from raygym.weightsync.transport_dist import ScratchBuffers
 
 log = logging.getLogger("raygym.rollout.server")
 
@@ -180,6 +186,28 @@ def read_safetensors(url: str) -> Iterator[tuple[str, torch.Tensor]]:
         yield from load_bytes(fs.cat_file(path)).items()
 
 
+def weights_source(url: str) -> Callable[[], Iterable[tuple[str, torch.Tensor]]]:
+    """What ``/update_weights_from_disk`` reads from ``url``, checked before anything is loaded.
+
+    A raygym version directory (one with ``manifest.json``) must carry its ``DONE`` marker: a
+    manifest without it is a sync still being written (or one that died), and is refused. Such a
+    directory is read shard by shard as listed in the manifest; anything else is a HF checkpoint.
+    """
+    import fsspec
+
+    from raygym.weightsync.transport_disk import DONE_FILE, MANIFEST_FILE, read_version_dir
+
+    fs, root = fsspec.core.url_to_fs(url)
+    if not root.endswith(".safetensors") and fs.exists(f"{root.rstrip('/')}/{MANIFEST_FILE}"):
+        if not fs.exists(f"{root.rstrip('/')}/{DONE_FILE}"):
+            raise BadRequest(
+                f"model_path={url!r} has {MANIFEST_FILE} but no {DONE_FILE} marker: the version is "
+                "incomplete (still being written, or its writer failed); retry once DONE exists"
+            )
+        return lambda: read_version_dir(url)
+    return lambda: read_safetensors(url)
+
+
 @dataclass
 class WeightUpdateGroup:
     """A torch.distributed process group of its own (not the default group), joined by name.
@@ -195,6 +223,10 @@ class WeightUpdateGroup:
     pg: Any
     store: Any
     timeout_s: float = 600.0
+    # Requests of one group are received strictly in arrival order (a sender may post bucket k+1
+    # while this server still loads bucket k); receive buffers are reused between requests.
+    order: asyncio.Lock = field(default_factory=asyncio.Lock)
+    scratch: Any = field(default_factory=lambda: ScratchBuffers())
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """In-place broadcast from group rank ``src``; raises when it does not finish in ``timeout_s``."""
@@ -666,10 +698,17 @@ class InferenceServer:
         if get_field(body, "abort_all_requests", bool, False):
             self.engine.abort(abort_all=True, message="aborted for a weight update")
         try:
-            await asyncio.to_thread(self._load, lambda: read_safetensors(model_path), loader)
+            source = await asyncio.to_thread(weights_source, model_path)
+            await asyncio.to_thread(self._load, source, loader)
         except BadRequest as exc:
             return result_response(
                 False, f"Failed to update weights from {model_path}: {exc}", num_paused_requests=0
+            )
+        except Exception as exc:  # a corrupt or unreadable shard: the sender names this engine
+            log.exception("update_weights_from_disk failed")
+            return result_response(
+                False, f"Failed to update weights from {model_path}: {type(exc).__name__}: {exc}",
+                num_paused_requests=0,
             )
         self.model_path = model_path
         message = f"Succeeded to update model weights from {model_path}."
@@ -726,7 +765,9 @@ class InferenceServer:
         if get_field(body, "abort_all_requests", bool, False):
             self.engine.abort(abort_all=True, message="aborted for a weight update")
         try:
-            await asyncio.to_thread(self._receive_and_load, group, names, dtypes, shapes, loader)
+            async with group.order:  # FIFO: requests are received in the order they arrived
+                received = await asyncio.to_thread(self._receive, group, names, dtypes, shapes)
+                await asyncio.to_thread(self._load_received, names, shapes, received, loader)
         except BadRequest as exc:
             return result_response(False, f"Failed to update weights: {exc}")
         except Exception as exc:
@@ -739,35 +780,28 @@ class InferenceServer:
             message += f" Weight version updated to {self.weight_version}."
         return result_response(True, message)
 
-    def _receive_and_load(
+    def _receive(
+        self, group: WeightUpdateGroup, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Receive every tensor of the request by broadcast from rank 0, in order, each within the
+        group's timeout. Done before the model is taken, so a busy engine never stalls the sender."""
+        from raygym.weightsync.transport_dist import receive_tensors
+
+        device = self._device if group.backend == "nccl" else torch.device("cpu")
+        specs = list(zip(names, dtypes, shapes, strict=True))
+        return list(receive_tensors(group.pg, specs, device, group.timeout_s, group.scratch))
+
+    def _load_received(
         self,
-        group: WeightUpdateGroup,
         names: list[str],
-        dtypes: list[torch.dtype],
         shapes: list[list[int]],
+        received: list[tuple[str, torch.Tensor]],
         loader: WeightLoader | None,
     ) -> None:
-        """Receive every tensor by broadcast from rank 0, in order, feeding the loader as they come.
-
-        The broadcasts are always drained, even when the loader fails, so the sender never hangs.
-        """
-        device = self._device if group.backend == "nccl" else torch.device("cpu")
-
-        def receive() -> Iterator[tuple[str, torch.Tensor]]:
-            for n, d, s in zip(names, dtypes, shapes, strict=True):
-                t = torch.empty(tuple(s), dtype=d, device=device)
-                group.broadcast(t, src=0)
-                yield n, t
-
-        stream = receive()
         with self.engine.exclusive(wait_idle=not self.engine.paused):
-            try:
-                if loader is None:
-                    check_metadata(self.engine.model, names, shapes)
-                (loader or default_weight_loader)(self.engine.model, stream)
-            finally:
-                for _ in stream:  # drain what the loader did not consume
-                    pass
+            if loader is None:
+                check_metadata(self.engine.model, names, shapes)
+            (loader or default_weight_loader)(self.engine.model, received)
 
     @handles_errors
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:

@@ -9,7 +9,7 @@ payloads, -0.0 vs 0.0 and subnormals are all exact. Applying a delta overwrites 
 >>> old = torch.zeros(6, dtype=torch.bfloat16)
 >>> new = old.clone(); new[2] = 1.5
 >>> payload = encode_delta(new, old, encoding="indices")
->>> apply_delta(payload, old); bool(torch.equal(old, new))
+>>> _ = apply_delta(payload, old); bool(torch.equal(old, new))
 True
 >>> checksum(old) == checksum(new)
 True
@@ -59,6 +59,7 @@ _HEADER = struct.Struct("<4sBBBxQQQ")  # magic, encoding, dtype, pos width, pad,
 assert _HEADER.size == 32
 _ESCAPE = 0xFFFF
 _ZSTD_LEVEL = 1
+_SCAN_CHUNK = 1 << 20  # elements per compare chunk: the bool mask (1 MiB) stays in cache
 
 Buffer = bytes | bytearray | memoryview | torch.Tensor
 
@@ -86,6 +87,11 @@ def int_view(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(_INT_VIEW[flat.element_size()])
 
 
+def _np_view(tensor: torch.Tensor) -> np.ndarray:
+    """:func:`int_view` as a numpy array (CPU; no copy for a contiguous CPU tensor)."""
+    return int_view(tensor.detach().cpu()).numpy()
+
+
 def as_uint8(buf: Buffer) -> torch.Tensor:
     """A flat uint8 CPU tensor over ``buf`` without copying (read-only buffers are only ever read)."""
     if isinstance(buf, torch.Tensor):
@@ -107,6 +113,26 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8).cpu()
 
 
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(src)`` for contiguous CPU tensors of equal byte size, through numpy: one thread,
+    no GIL held, and none of torch's intra-op threads (which stall badly for small copies when the
+    CPU is oversubscribed — measured 8 ms per 150 KB copy next to two busy receivers). Anything
+    else (a dtype cast, another device) goes to ``copy_``."""
+    if (dst.device.type == src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous()
+            and dst.numel() * dst.element_size() == src.numel() * src.element_size()
+            and (dst.dtype == src.dtype or dst.dtype == torch.uint8 or src.dtype == torch.uint8)):
+        if dst.numel():
+            np.copyto(tensor_bytes(dst).numpy(), tensor_bytes(src).numpy())
+        return dst
+    return dst.copy_(src.reshape(dst.shape) if src.numel() == dst.numel() else src)
+
+
+def clone_cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy of ``tensor`` (same dtype and shape), copied like :func:`copy_bytes`."""
+    out = torch.empty(tensor.shape, dtype=tensor.dtype)
+    return copy_bytes(out, tensor.detach().cpu().contiguous())
+
+
 def checksum(tensor: torch.Tensor) -> str:
     """xxh3_64 hex digest of the tensor's raw bytes (contiguous, native byte order).
 
@@ -121,9 +147,42 @@ def checksum(tensor: torch.Tensor) -> str:
 
 def changed_positions(new: torch.Tensor, snapshot: torch.Tensor) -> torch.Tensor:
     """Flat int64 positions where ``new`` and ``snapshot`` differ in their bytes."""
+    return torch.from_numpy(changed_positions_np(new, snapshot))
+
+
+def changed_positions_np(new: torch.Tensor, snapshot: torch.Tensor) -> np.ndarray:
+    """:func:`changed_positions` as a numpy int64 array, the form the encoders use.
+
+    numpy's compare + ``flatnonzero`` on integer views, in chunks that keep the bool mask in cache:
+    several times faster than ``torch.nonzero`` on a CPU (measured 0.3 s vs 1.3 s for 100M bf16).
+    """
     _check_pair(new, snapshot)
-    a, b = int_view(new.detach()), int_view(snapshot.detach().to(new.device))
-    return torch.nonzero(a != b, as_tuple=False).reshape(-1)
+    a, b = _np_view(new), _np_view(snapshot)
+    if a.size <= _SCAN_CHUNK:
+        return np.flatnonzero(a != b)
+    mask = np.empty(_SCAN_CHUNK, dtype=bool)
+    found = []
+    for start in range(0, a.size, _SCAN_CHUNK):
+        stop = min(start + _SCAN_CHUNK, a.size)
+        part = mask[: stop - start]
+        np.not_equal(a[start:stop], b[start:stop], out=part)
+        hits = np.flatnonzero(part)
+        if hits.size:
+            found.append(hits + start)
+    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+
+
+def gather_values(new: torch.Tensor, positions: np.ndarray) -> np.ndarray:
+    """The raw values (integer view) of ``new`` at flat ``positions``."""
+    return _np_view(new)[positions]
+
+
+def delta_nbytes(count: int, numel: int, itemsize: int, encoding: str, n_large: int = 0) -> int:
+    """Size of an uncompressed delta payload (``deltas_zstd``: the size before compression, an upper bound
+    up to zstd's frame overhead)."""
+    pos = (4 if numel < 2**31 else 8) if encoding == "indices" else 2
+    sections = [count * pos, count * itemsize] + ([n_large * 8] if encoding != "indices" else [])
+    return _HEADER.size + sum(n + (-n % 8) for n in sections)
 
 
 def encode_delta(new: torch.Tensor, snapshot: torch.Tensor, encoding: str = "indices") -> bytes:
@@ -133,20 +192,25 @@ def encode_delta(new: torch.Tensor, snapshot: torch.Tensor, encoding: str = "ind
     """
     if encoding not in _ENCODING_IDS:
         raise ValueError(f"unknown delta encoding {encoding!r}; use one of {ENCODINGS}")
-    positions = changed_positions(new, snapshot)
-    values = int_view(new.detach())[positions].cpu().numpy()
-    numel = new.numel()
-    pos_np = positions.cpu().numpy()
+    positions = changed_positions_np(new, snapshot)
+    return encode_positions(positions, gather_values(new, positions), new.numel(), new.dtype, encoding)
+
+
+def encode_positions(positions: np.ndarray, values: np.ndarray, numel: int, dtype: torch.dtype,
+                     encoding: str) -> bytes:
+    """The delta payload for already found ``positions`` (sorted, int64) and their raw ``values``."""
+    if encoding not in _ENCODING_IDS:
+        raise ValueError(f"unknown delta encoding {encoding!r}; use one of {ENCODINGS}")
     pos_width = 4 if numel < 2**31 else 8
     if encoding == "indices":
-        body = [pos_np.astype(np.int32 if pos_width == 4 else np.int64), values]
+        body = [positions.astype(np.int32 if pos_width == 4 else np.int64, copy=False), values]
         n_large = 0
     else:
-        words, large = _gaps(pos_np)
+        words, large = _gaps(positions)
         n_large = int(large.size)
         body = [words, large, values]
     header = _HEADER.pack(
-        _MAGIC, _ENCODING_IDS[encoding], _DTYPE_IDS[new.dtype], pos_width, numel, int(pos_np.size), n_large
+        _MAGIC, _ENCODING_IDS[encoding], _DTYPE_IDS[dtype], pos_width, numel, int(positions.size), n_large
     )
     packed = _concat_aligned(body)
     if encoding == "deltas_zstd":
@@ -222,12 +286,15 @@ def _gaps(positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return words, gaps[big].astype(np.uint64)
 
 
-def _concat_aligned(parts: list[np.ndarray]) -> bytes:
-    chunks = []
-    for part in parts:
-        data = np.ascontiguousarray(part).tobytes()
-        chunks.append(data + b"\0" * (-len(data) % 8))
-    return b"".join(chunks)
+def _concat_aligned(parts: list[np.ndarray]) -> bytearray:
+    """The parts back to back, each padded to 8 bytes, in one buffer (one copy per part)."""
+    sizes = [p.nbytes for p in parts]
+    out = bytearray(sum(n + (-n % 8) for n in sizes))
+    offset = 0
+    for part, n in zip(parts, sizes, strict=True):
+        out[offset : offset + n] = memoryview(np.ascontiguousarray(part)).cast("B")
+        offset += n + (-n % 8)
+    return out
 
 
 def _take(buf: torch.Tensor, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

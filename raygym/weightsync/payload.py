@@ -132,6 +132,60 @@ def pack_bucket(encoded: Sequence[EncodedTensor], version: int) -> tuple[torch.T
     return torch.frombuffer(bytearray(manifest), dtype=torch.uint8), flat
 
 
+class BucketBuffer:
+    """A reusable flat uint8 buffer that a bucket's entries are written into directly (no staging copy).
+
+    Holds at most ``max_bytes`` of entries, except a single larger entry, which gets the buffer alone.
+    Memory is allocated on demand and kept for the next bucket (fresh pages cost as much as a copy).
+
+    >>> buf = BucketBuffer(max_bytes=1024)
+    >>> t = torch.arange(4, dtype=torch.float32)
+    >>> _ = buf.reserve(16).view(torch.float32).copy_(t); buf.add("w", (4,), "float32", FULL, 16, "x")
+    >>> manifest, flat = buf.finish(version=1); [e.name for e in Manifest.from_bytes(manifest).entries]
+    ['w']
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._buf = torch.empty(0, dtype=torch.uint8)
+        self.entries: list[ManifestEntry] = []
+        self.offset = 0
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an entry of ``nbytes`` may join this bucket (always true for an empty bucket)."""
+        return not self.entries or self.offset + packed_size(nbytes) <= self.max_bytes
+
+    def reserve(self, nbytes: int) -> torch.Tensor:
+        """The uint8 slot of the next entry (64-byte aligned, so dtype views of it work)."""
+        end = self.offset + packed_size(nbytes)
+        if end > self._buf.numel():
+            self._grow(end)
+        return self._buf[self.offset : self.offset + nbytes]
+
+    def add(self, name: str, shape: tuple[int, ...], dtype: str, encoding: str, nbytes: int, digest: str) -> None:
+        """Record the entry just written into the reserved slot."""
+        self.entries.append(ManifestEntry(name, list(shape), dtype, encoding, self.offset, nbytes, digest))
+        pad_end = self.offset + packed_size(nbytes)
+        self._buf[self.offset + nbytes : pad_end].zero_()
+        self.offset = pad_end
+
+    def finish(self, version: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(manifest bytes as a uint8 tensor, the flat buffer) — valid until :meth:`reset`."""
+        manifest = Manifest(version, self.entries, self.offset).to_bytes()
+        return torch.frombuffer(bytearray(manifest), dtype=torch.uint8), self._buf[: self.offset]
+
+    def reset(self) -> None:
+        """Empty the bucket; the memory is kept."""
+        self.entries = []
+        self.offset = 0
+
+    def _grow(self, needed: int) -> None:
+        size = max(needed, min(self.max_bytes, 2 * self._buf.numel()))
+        bigger = torch.empty(size, dtype=torch.uint8)
+        bigger[: self.offset].copy_(self._buf[: self.offset])
+        self._buf = bigger
+
+
 def unpack_bucket(manifest: Buffer, flat: Buffer) -> tuple[Manifest, list[tuple[ManifestEntry, torch.Tensor]]]:
     """Parse a bucket: the manifest and, per entry, a uint8 view of its payload inside ``flat``."""
     m = Manifest.from_bytes(manifest)

@@ -22,19 +22,23 @@ from raygym.weightsync import loader
 from raygym.weightsync.codec import dtype_from_name
 from raygym.weightsync.payload import LOADER
 from raygym.weightsync.transport_disk import read_version_dir
-from raygym.weightsync.transport_dist import broadcast, join_group
+from raygym.weightsync.transport_dist import ScratchBuffers, join_group, receive_tensors
 
 Loader = Callable[[torch.nn.Module, Iterable[tuple[str, torch.Tensor]]], Any]
 
 
 def resolve_loader(load_format: str | None, allowed: Iterable[str] = (LOADER,)) -> Loader:
-    """The loader named by ``load_format`` (``pkg.mod:fn``); None/"auto" = copy by HF name."""
+    """The loader named by ``load_format`` (``pkg.mod:fn`` or ``pkg.mod.fn``); None/"auto" = copy by HF name."""
     if load_format in (None, "", "auto"):
         return loader.load_payload
-    if load_format not in set(allowed):
+    if _dotted(load_format) not in {_dotted(a) for a in allowed}:
         raise ValueError(f"load_format={load_format!r} is not a registered custom weight loader {sorted(allowed)}")
-    module, _, fn = load_format.partition(":")
+    module, _, fn = _dotted(load_format).rpartition(".")
     return getattr(importlib.import_module(module), fn)
+
+
+def _dotted(path: str) -> str:
+    return path.replace(":", ".")
 
 
 class WeightReceiver:
@@ -49,12 +53,13 @@ class WeightReceiver:
         self.timeout_s = timeout_s
         self.groups: dict[str, Any] = {}
         self.last_apply_s = 0.0
+        self._scratch = ScratchBuffers()  # requests are handled one at a time
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str = "gloo", protocol: str = "sglang") -> dict[str, Any]:
+                                  group_name: str, backend: str = "gloo") -> dict[str, Any]:
         try:
             self.groups[group_name] = join_group(master_address, master_port, rank_offset, world_size, group_name,
-                                                 backend, self.timeout_s, protocol)
+                                                 backend, self.timeout_s)
         except Exception as exc:
             return {"success": False, "message": f"failed to join {group_name}: {exc}"}
         return {"success": True, "message": f"joined {group_name} as rank {rank_offset}"}
@@ -70,11 +75,9 @@ class WeightReceiver:
         if pg is None:
             return {"success": False, "message": f"group {group_name} is not initialized"}
         try:
-            received = []
-            for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-                tensor = torch.empty(shape, dtype=dtype_from_name(dtype), device=self.device)
-                broadcast(pg, tensor, self.timeout_s)
-                received.append((name, tensor))
+            specs = [(n, dtype_from_name(d), list(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
+            # receive everything first (the sender's broadcasts must all complete), then load
+            received = list(receive_tensors(pg, specs, self.device, self.timeout_s, self._scratch))
             return self._load(received, load_format, weight_version)
         except Exception as exc:
             return {"success": False, "message": f"{type(exc).__name__}: {exc}"}

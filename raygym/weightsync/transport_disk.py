@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from raygym.errors import WeightSyncError
+from raygym.weightsync.codec import as_uint8
 from raygym.weightsync.engine_link import EngineLink, checked
 from raygym.weightsync.payload import BUCKET_NAME, FORMAT, LOADER, MANIFEST_NAME, Manifest
 
@@ -44,13 +45,49 @@ def _atomic_write(fs: Any, path: str, data: bytes) -> None:
     fs.mv(tmp, path)
 
 
+def write_shard(fs: Any, path: str, tensors: dict[str, torch.Tensor]) -> int:
+    """Write uint8 CPU tensors as one safetensors file straight from their memory (temp name, then
+    rename); returns its size. The header is padded so the first tensor starts 64-byte aligned."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": "U8", "shape": [int(t.numel())], "data_offsets": [offset, offset + int(t.numel())]}
+        offset += int(t.numel())
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 64)  # the format allows trailing spaces in the header
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    with fs.open(tmp, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(memoryview(t.contiguous().numpy()))
+    fs.mv(tmp, path)
+    return 8 + len(raw) + offset
+
+
+def read_shard(data: bytes | bytearray) -> dict[str, torch.Tensor]:
+    """The uint8 tensors of a safetensors file's bytes, as views into ``data`` (no copy)."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(bytes(data[8 : 8 + size]))
+    body = as_uint8(memoryview(data)[8 + size :])
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] != "U8":
+            raise WeightSyncError(f"shard tensor {name!r} has dtype {info['dtype']}, expected U8")
+        start, end = info["data_offsets"]
+        out[name] = body[start:end]
+    return out
+
+
 def read_version_dir(url: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield the (name, uint8 tensor) pairs of a complete version directory, shard by shard.
 
     Raises ``WeightSyncError`` if the DONE marker or a listed shard is missing.
     """
     import fsspec
-    from safetensors.torch import load as load_safetensors
 
     fs, root = fsspec.core.url_to_fs(url)
     if not fs.exists(f"{root}/{DONE_FILE}"):
@@ -62,7 +99,10 @@ def read_version_dir(url: str) -> Iterator[tuple[str, torch.Tensor]]:
         path = f"{root}/{shard['file']}"
         if not fs.exists(path):
             raise WeightSyncError(f"{url}: shard {shard['file']} listed in {MANIFEST_FILE} is missing")
-        tensors = load_safetensors(fs.cat_file(path))
+        try:
+            tensors = read_shard(fs.cat_file(path))
+        except (ValueError, KeyError) as exc:
+            raise WeightSyncError(f"{url}: shard {shard['file']} is not a readable safetensors file: {exc}") from exc
         key = shard["key"]
         for name in (f"{MANIFEST_NAME}.{key}", f"{BUCKET_NAME}.{key}"):
             if name not in tensors:
@@ -114,13 +154,12 @@ class DiskTransport:
         self._shards, self._tensors = [], []
 
     def send_bucket(self, version: int, manifest: torch.Tensor, flat: torch.Tensor) -> None:
-        from safetensors.torch import save as save_safetensors
-
+        """Write one shard (bucket buffer first, so its entries stay aligned in the file)."""
         key = f"{len(self._shards):05d}"
         file = f"shard-{key}.safetensors"
-        data = save_safetensors({f"{MANIFEST_NAME}.{key}": manifest.cpu(), f"{BUCKET_NAME}.{key}": flat.cpu()})
-        _atomic_write(self.fs, f"{self._path}/{file}", data)
-        self._shards.append({"file": file, "key": key, "bytes": len(data)})
+        size = write_shard(self.fs, f"{self._path}/{file}",
+                           {f"{BUCKET_NAME}.{key}": flat.cpu(), f"{MANIFEST_NAME}.{key}": manifest.cpu()})
+        self._shards.append({"file": file, "key": key, "bytes": size})
         for e in Manifest.from_bytes(manifest).entries:
             self._tensors.append({"name": e.name, "shape": e.shape, "dtype": e.dtype, "encoding": e.encoding,
                                   "checksum": e.checksum, "shard": file})

@@ -8,15 +8,19 @@ naming it, never a silent hang.
 
 Per bucket the sender posts ``/update_weights_from_distributed`` with two uint8 tensors (manifest,
 flat buffer) and ``load_format = raygym.weightsync.loader:load_payload``, then broadcasts them.
-The receiver half (:func:`join_group`, :func:`broadcast`) is shared with engines and tests.
+The receiver half (:func:`join_group`, :func:`broadcast`, :func:`receive_tensors`) is shared with
+raygym's server, the in-process receiver and tests. Engines answer each bucket's request after
+loading it; the sender awaits those answers one bucket late, so loading overlaps the next bucket.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -27,40 +31,34 @@ from raygym.errors import WeightSyncError
 from raygym.weightsync.engine_link import EngineLink, checked
 from raygym.weightsync.payload import BUCKET_NAME, LOADER, MANIFEST_NAME
 
-GROUP_PROTOCOLS = ("sglang", "raygym")
-
 
 def join_group(
     master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str,
-    timeout_s: float, protocol: str = "sglang",
+    timeout_s: float,
 ) -> Any:
-    """Create (or join) the weight-update process group; returns the ProcessGroup object.
+    """Create (rank 0) or join the weight-update process group; returns the ProcessGroup object.
 
-    ``protocol="sglang"``: the rendezvous of SGLang's ``init_custom_process_group`` (tcp store at the
-    master, ``_new_process_group_helper`` with the group name), so a stock SGLang engine and a raygym
-    sender meet in one group. ``protocol="raygym"``: the scheme raygym's built-in server uses today
-    (``raygym.rollout.server.new_process_group``: store prefix = group name, then a barrier).
-    The caller's default process group is neither needed nor touched.
+    The rendezvous of SGLang's ``init_custom_process_group``: a TCP store at the master, then
+    ``_new_process_group_helper`` with the group name. Stock SGLang, raygym's server
+    (:func:`raygym.rollout.server.new_process_group`) and this sender all meet this way. The store
+    and the group both get ``timeout_s``; the caller's default process group is neither needed nor touched.
     """
-    if protocol == "raygym":
-        from raygym.rollout.server import new_process_group
-
-        return new_process_group(master_address=master_address, master_port=master_port, rank=rank,
-                                 world_size=world_size, group_name=group_name, backend=backend,
-                                 timeout_s=timeout_s).pg
-    if protocol != "sglang":
-        raise ValueError(f"group protocol {protocol!r}: use one of {GROUP_PROTOCOLS}")
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     timeout = datetime.timedelta(seconds=timeout_s)
     store, _, _ = next(dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    # torch has no public API for a group outside the default world; SGLang uses this helper too.
     pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
     return pg
 
 
 def broadcast(pg: Any, tensor: torch.Tensor, timeout_s: float) -> None:
-    """Broadcast ``tensor`` from rank 0 of ``pg`` in place, waiting at most ``timeout_s`` seconds."""
+    """Broadcast ``tensor`` from rank 0 of ``pg`` in place; raises ``TimeoutError`` after ``timeout_s``.
+
+    Both the collective and the wait carry the timeout: a peer that never shows up is an error, not a hang.
+    """
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()
@@ -68,8 +66,56 @@ def broadcast(pg: Any, tensor: torch.Tensor, timeout_s: float) -> None:
     opts.rootTensor = 0
     opts.timeout = datetime.timedelta(seconds=timeout_s)
     work = pg.broadcast([tensor], opts)
-    if not work.wait(datetime.timedelta(seconds=timeout_s)):
-        raise TimeoutError(f"broadcast of {tensor.numel()} bytes did not finish in {timeout_s}s")
+    try:
+        done = work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:  # gloo reports its own timeout as a RuntimeError
+        raise TimeoutError(f"broadcast of {tensor.numel() * tensor.element_size()} bytes failed or did not "
+                           f"finish in {timeout_s}s: {str(exc)[:300]}") from exc
+    if done is False:
+        raise TimeoutError(f"broadcast of {tensor.numel() * tensor.element_size()} bytes did not finish in {timeout_s}s")
+
+
+def receive_tensors(
+    pg: Any, specs: list[tuple[str, torch.dtype, list[int]]], device: torch.device, timeout_s: float,
+    scratch: ScratchBuffers | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Receive one ``/update_weights_from_distributed`` request's tensors, in order, each with a timeout.
+
+    Lazily: a tensor is received when the consumer asks for the next one. With ``scratch``, CPU tensors
+    land in reused memory (valid until the next request) instead of fresh pages.
+    """
+    for index, (name, dtype, shape) in enumerate(specs):
+        if scratch is not None and device.type == "cpu":
+            tensor = scratch.get(index, dtype, shape)
+        else:
+            tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+        broadcast(pg, tensor, timeout_s)
+        yield name, tensor
+
+
+class ScratchBuffers:
+    """Per-position receive buffers reused across requests (a receiver handles one request at a time).
+
+    At most ``max_bytes`` are kept (raygym's buckets are two tensors of at most a bucket each);
+    anything beyond, e.g. a whole model sent tensor by tensor in one request, gets fresh memory
+    that is freed after the request.
+    """
+
+    def __init__(self, max_bytes: int = 1 << 30) -> None:
+        self.max_bytes = max_bytes
+        self._bufs: dict[int, torch.Tensor] = {}
+
+    def get(self, index: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        buf = self._bufs.get(index)
+        if buf is None or buf.numel() < nbytes:
+            kept = sum(b.numel() for i, b in self._bufs.items() if i != index)
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            if kept + nbytes <= self.max_bytes:
+                self._bufs[index] = buf
+            else:
+                self._bufs.pop(index, None)
+        return buf[:nbytes].view(dtype).view(tuple(shape))
 
 
 def free_port(host: str) -> int:
@@ -94,7 +140,7 @@ class DistTransport:
 
     def __init__(
         self, engines: list[EngineLink], *, master_address: str = "127.0.0.1", tp_sizes: list[int] | None = None,
-        backend: str | None = None, timeout_s: float = 600.0, protocol: str = "sglang",
+        backend: str | None = None, timeout_s: float = 600.0,
     ):
         self.engines = list(engines)
         self.tp_sizes = list(tp_sizes) if tp_sizes else [1] * len(self.engines)
@@ -103,7 +149,7 @@ class DistTransport:
         self.master_address = master_address
         self.backend = backend or default_backend()
         self.timeout_s = float(timeout_s)
-        self.protocol = protocol
+        self._unanswered: list[tuple[int, list[Future]]] = []  # (version, futures) of sent buckets
         self.group_name = ""
         self._pg: Any = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)), thread_name_prefix="raygym-ws")
@@ -126,8 +172,7 @@ class DistTransport:
             futures.append(self._pool.submit(checked, link, "init_weights_update_group", payload, self.timeout_s))
             offset += tp
         try:
-            pg = join_group(self.master_address, port, 0, world, self.group_name, self.backend, self.timeout_s,
-                            self.protocol)
+            pg = join_group(self.master_address, port, 0, world, self.group_name, self.backend, self.timeout_s)
         except Exception as exc:
             failed = self._failed(futures, grace_s=1.0)
             names = ", ".join(failed) or "unknown (every engine answered; check their logs)"
@@ -146,7 +191,12 @@ class DistTransport:
             self.connect()
 
     def send_bucket(self, version: int, manifest: torch.Tensor, flat: torch.Tensor) -> None:
-        """Post the receive request to every engine, broadcast manifest then buffer, await every answer."""
+        """Post the receive request to every engine, broadcast manifest then buffer.
+
+        Returns once the bytes are on the wire; the engines' answers are awaited one bucket later
+        (while they load bucket k the sender already packs k+1) and all of them in :meth:`finish`.
+        Request k+1 is posted only after bucket k was broadcast, so every engine sees them in order.
+        """
         if self._pg is None:
             raise WeightSyncError("weight-update group is not connected; call connect() first")
         payload = {"names": [MANIFEST_NAME, BUCKET_NAME], "dtypes": ["uint8", "uint8"],
@@ -161,16 +211,26 @@ class DistTransport:
         except Exception as exc:
             self._pg = None  # a failed collective leaves the group unusable; reconnect next time
             failed = self._failed(futures, grace_s=1.0)
+            self._unanswered.clear()
             raise WeightSyncError(
                 f"broadcast of version {version} failed ({type(exc).__name__}: {str(exc)[:200]}); "
                 f"engine(s) that did not receive: {', '.join(failed) or 'unknown'}"
             ) from exc
-        failed = self._failed(futures, grace_s=self.timeout_s)
-        if failed:
-            raise WeightSyncError(f"version {version}: engine(s) failed to load a bucket: {'; '.join(failed)}")
+        self._unanswered.append((version, futures))
+        while len(self._unanswered) > 1:
+            self._await_answers()
 
     def finish(self, version: int) -> None:
-        """Nothing to do: every bucket was acknowledged as it went."""
+        """Wait for every engine's answer to every bucket of ``version``."""
+        while self._unanswered:
+            self._await_answers()
+
+    def _await_answers(self) -> None:
+        version, futures = self._unanswered.pop(0)
+        failed = self._failed(futures, grace_s=self.timeout_s)
+        if failed:
+            self._unanswered.clear()
+            raise WeightSyncError(f"version {version}: engine(s) failed to load a bucket: {'; '.join(failed)}")
 
     def close_group(self) -> None:
         """Leave the current group (engines are asked to destroy theirs; failures are ignored)."""

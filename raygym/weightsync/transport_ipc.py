@@ -82,9 +82,9 @@ class IpcTransport:
 
 
 def make_colocated_transport(engines: list[EngineLink], *, tp_sizes: list[int] | None = None,
-                             master_address: str = "127.0.0.1", timeout_s: float = 600.0, protocol: str = "sglang"):
+                             master_address: str = "127.0.0.1", timeout_s: float = 600.0):
     """``IpcTransport`` on GPU; on CPU the gloo ``DistTransport`` (the only path that works there)."""
     if torch.cuda.is_available():
         return IpcTransport(engines, tp_sizes=tp_sizes, timeout_s=timeout_s)
     return DistTransport(engines, master_address=master_address, tp_sizes=tp_sizes, backend="gloo",
-                         timeout_s=timeout_s, protocol=protocol)
+                         timeout_s=timeout_s)

@@ -13,6 +13,7 @@ from raygym.weightsync.payload import (
     ALIGN,
     BUCKET_NAME,
     MANIFEST_NAME,
+    BucketBuffer,
     Manifest,
     encode_tensor,
     pack_bucket,
@@ -139,3 +140,54 @@ def test_snapshot_advances_only_on_commit():
     snap.stage("a", torch.randn(100).to(torch.bfloat16) + 5)  # dense change: kept as a full copy
     snap.commit(4)
     assert snap.get("a").sum() != a1.sum()
+
+
+def test_bucket_buffer_packs_in_place_reuses_memory_and_grows_for_one_big_entry():
+    buf = BucketBuffer(max_bytes=256)
+    tensors = {"a": torch.arange(10, dtype=torch.float32), "b": torch.ones(7, dtype=torch.bfloat16)}
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        assert buf.fits(n)
+        buf.reserve(n).view(t.dtype).copy_(t)
+        buf.add(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), "full", n, checksum(t))
+    assert not buf.fits(200)  # 64 + 64 bytes used: a 200-byte entry must start a new bucket
+    manifest, flat = buf.finish(version=2)
+    m, parts = unpack_bucket(manifest, flat)
+    for entry, payload in parts:
+        assert entry.offset % ALIGN == 0 and checksum(payload) == entry.checksum
+        assert torch.equal(payload.view(tensors[entry.name].dtype), tensors[entry.name])
+    first = flat.data_ptr()
+    buf.reset()
+    buf.reserve(16).zero_()
+    buf.add("c", (16,), "uint8", "full", 16, checksum(torch.zeros(16, dtype=torch.uint8)))
+    assert buf.finish(3)[1].data_ptr() == first  # the same memory serves the next bucket
+    buf.reset()
+    assert buf.fits(1000)  # an empty bucket takes any entry; the buffer grows for it
+    big = buf.reserve(1000)
+    assert big.numel() == 1000
+
+
+def test_dense_overwrite_then_discard_invalidates_the_snapshot():
+    snap = WeightSnapshot()
+    a0 = torch.zeros(64, dtype=torch.bfloat16)
+    snap.stage("a", a0)
+    snap.commit(1)
+    held = snap.get("a")
+    snap.overwrite("a", torch.ones(64, dtype=torch.bfloat16))  # a full payload: copied in place at once
+    assert snap.get("a") is held and snap.version == 1
+    snap.discard()  # the engines may not hold these bytes: no delta may be encoded against them
+    assert snap.version is None
+    snap.overwrite("a", torch.full((64,), 2.0, dtype=torch.bfloat16))
+    snap.commit(2)
+    assert snap.version == 2 and snap.get("a") is held and bool((held == 2).all())
+
+
+def test_receive_scratch_buffers_are_reused_up_to_their_cap():
+    from raygym.weightsync.transport_dist import ScratchBuffers
+
+    scratch = ScratchBuffers(max_bytes=256)
+    first = scratch.get(0, torch.float32, [16])
+    again = scratch.get(0, torch.bfloat16, [4, 4])  # a smaller request reuses the same memory
+    assert again.data_ptr() == first.data_ptr() and again.shape == (4, 4) and again.dtype == torch.bfloat16
+    big = scratch.get(1, torch.uint8, [250])  # 64 + 250 bytes would pass the cap: not kept
+    assert scratch.get(1, torch.uint8, [250]).data_ptr() != big.data_ptr()

@@ -22,11 +22,12 @@ from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.engine_link import HttpEngineLink, LocalEngineLink
 from raygym.weightsync.payload import LOADER
 from raygym.weightsync.receiver import WeightReceiver
-from raygym.weightsync.sender import RankWeightSync
+from raygym.weightsync.sender import RankWeightSync, SenderSpec
 
 pytestmark = pytest.mark.e2e
 
-TIMEOUT_S = 30.0
+TIMEOUT_S = 30.0  # the sender's update_weight_timeout
+SERVER_TIMEOUT_S = 8.0  # the servers' --weight-update-timeout: every receive-side broadcast is bounded by it
 ENGINE_DTYPE = "bfloat16"  # trainer keeps fp32 master weights and casts for the engines (as in real runs)
 
 
@@ -45,7 +46,7 @@ def servers(tiny_model_path):
         port = free_port()
         cmd = [sys.executable, "-m", "raygym.rollout.server", "--model-path", tiny_model_path, "--host", "127.0.0.1",
                "--port", str(port), "--device", "cpu", "--dtype", ENGINE_DTYPE, "--custom-weight-loader", LOADER,
-               "--weight-update-timeout", str(TIMEOUT_S)]
+               "--weight-update-timeout", str(SERVER_TIMEOUT_S)]
         procs.append(subprocess.Popen(cmd, env=env))
         urls.append(f"http://127.0.0.1:{port}")
     try:
@@ -268,3 +269,73 @@ def test_corrupted_shard_fails_checksum_and_triggers_full_resync(servers, tiny_m
     trainer.train_step()
     after = sync.push(3)  # the snapshot advanced after the resync: deltas work again
     assert after["sync/mode"] == 1.0 and after["sync/resynced"] == 0.0
+
+
+def test_disk_version_without_done_marker_is_refused(servers, tmp_path):
+    """A manifest without DONE is a version still being written (or whose writer died): never load it."""
+    version = tmp_path / "v000009"
+    version.mkdir()
+    (version / "manifest.json").write_text(json.dumps({"format": "raygym.bucket.v1", "version": 9, "shards": []}))
+    before = engine_checksums(servers[0])
+    r = httpx.post(f"{servers[0]}/update_weights_from_disk",
+                   json={"model_path": str(version), "load_format": LOADER, "weight_version": "9"}, timeout=30)
+    answer = r.json()
+    assert answer["success"] is False and "no DONE marker" in answer["message"]
+    assert engine_checksums(servers[0]) == before  # nothing loaded, version unchanged
+
+
+def test_receive_side_broadcast_times_out_instead_of_hanging(servers):
+    """The server joined a group, was told to receive a bucket, and the sender never broadcasts: the
+    server must answer with a timeout error after its --weight-update-timeout, not hang."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from raygym.weightsync.payload import BUCKET_NAME, MANIFEST_NAME
+    from raygym.weightsync.transport_dist import free_port, join_group
+
+    url, port, name = servers[0], free_port("127.0.0.1"), "rg_silent_sender"
+    with ThreadPoolExecutor(2) as pool:
+        joined = pool.submit(httpx.post, f"{url}/init_weights_update_group", timeout=60, json={
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": name, "backend": "gloo"})
+        pg = join_group("127.0.0.1", port, 0, 2, name, "gloo", SERVER_TIMEOUT_S)
+        assert joined.result().json()["success"] is True
+        start = time.monotonic()
+        r = httpx.post(f"{url}/update_weights_from_distributed", timeout=60, json={
+            "names": [MANIFEST_NAME, BUCKET_NAME], "dtypes": ["uint8", "uint8"], "shapes": [[64], [1024]],
+            "group_name": name, "load_format": LOADER, "weight_version": "99"})
+        elapsed = time.monotonic() - start
+    answer = r.json()
+    assert answer["success"] is False and "TimeoutError" in answer["message"], answer
+    assert SERVER_TIMEOUT_S - 1 <= elapsed < SERVER_TIMEOUT_S + 15, elapsed
+    assert engine_checksums(servers[0])[0] != "99"
+    httpx.post(f"{url}/destroy_weights_update_group", json={"group_name": name}, timeout=30)
+    del pg
+
+
+def test_a_bucket_an_engine_cannot_load_is_named_and_the_group_stays_usable(servers, tiny_model_path):
+    """Answers are awaited one bucket late; a failed bucket still fails the push with the engines
+    named, and because every engine received every broadcast bucket, the next push works."""
+    trainer = LocalTrainer(tiny_model_path)
+    spec = SenderSpec.from_recipe(recipe("nccl", update_weight_mode="full"), list(servers), cast_dtype=ENGINE_DTYPE,
+                                  master_address="127.0.0.1")
+    sync = RankWeightSync(0)
+    sync.init(spec)
+    try:
+        def with_stranger():
+            yield from trainer.hf_weights()
+            yield "model.no_such_layer.weight", torch.ones(4)
+
+        with pytest.raises(WeightSyncError) as err:
+            sync.push(1, with_stranger())
+        assert "no parameter of that HF name" in str(err.value)
+        assert servers[0] in str(err.value) and servers[1] in str(err.value)
+        sync.discard()
+        result = sync.push(2, trainer.hf_weights())
+        sync.commit(2)
+        assert result["metrics"]["sync/buckets"] > 1  # the tiny model spans several 64 KiB buckets
+        want = trainer.engine_checksums()
+        for url in servers:
+            version, got = engine_checksums(url)
+            assert version == "2" and {n: got[n] for n in want} == want
+    finally:
+        sync.close()
