@@ -1,4 +1,11 @@
-"""End-to-end step time of the tiny preset: per-phase split, sync vs async, and TRL's GRPOTrainer.
+"""End-to-end step time: per-phase split, sync vs async, and TRL's GRPOTrainer, per model size.
+
+Model sizes (``--models``, both random Qwen3s with the builtin character tokenizer, next-digit task,
+16 prompts x 8 samples):
+
+- ``ref`` (the headline, issue 7's reference scale): ~2.6M parameters (hidden 256, 4 layers,
+  intermediate 512), 16 new tokens;
+- ``tiny``: the ``tiny`` preset's ~80K-parameter model, 8 new tokens.
 
 Figures (one JSON line each, with the machine):
 
@@ -15,7 +22,9 @@ Create that interpreter once with::
 
     python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install trl
 
-    python benchmarks/e2e.py --steps 12 --trl-python .venv-trl/bin/python
+    python benchmarks/e2e.py --steps 12 --models ref,tiny --trl-python .venv-trl/bin/python
+
+Every figure carries ``model`` (the size's name), ``params`` and the setup.
 """
 
 from __future__ import annotations
@@ -40,16 +49,41 @@ def machine() -> dict[str, Any]:
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {"cores": os.cpu_count(), "device": device, "torch": torch.__version__,
-            "python": platform.python_version()}
+            "python": platform.python_version(), "loadavg_1m_at_start": round(os.getloadavg()[0], 2)}
 
 
-def tiny_config(out: Path, **overrides: Any):
-    from raygym import DatasetConfig, ModelConfig, Recipe, TrainConfig
-    from raygym.builtin import NEXT_DIGIT_TASK, TINY_MODEL
+# name -> (Qwen3 architecture overrides of raygym.builtin.TINY_ARCH, max new tokens)
+MODEL_SIZES: dict[str, tuple[dict[str, Any], int]] = {
+    "ref": ({"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512, "num_attention_heads": 4,
+             "num_key_value_heads": 4, "head_dim": 64}, 16),
+    "tiny": ({}, 8),
+}
+
+
+def write_model(name: str, directory: Path) -> tuple[str, int]:
+    """The checkpoint directory of model size ``name`` (random weights, seed 0) and its parameter count."""
+    from raygym.builtin import TINY_MODEL, build_tiny_model, materialize_model
+
+    arch, _ = MODEL_SIZES[name]
+    path = materialize_model(TINY_MODEL, directory / name, seed=0, **arch)
+    model, _ = build_tiny_model(0, **arch)
+    return path, sum(p.numel() for p in model.parameters())
+
+
+def bench_recipe(max_new_tokens: int, **overrides: Any):
+    from raygym import Recipe
     from raygym.presets import tiny
 
-    fields = {**tiny().model_dump(), "save_interval": 10**6, **overrides}
-    return TrainConfig(recipe=Recipe(**fields), model=ModelConfig(hf_checkpoint=TINY_MODEL),
+    fields = {**tiny().model_dump(), "save_interval": 10**6, "rollout_max_response_len": max_new_tokens,
+              "eval_max_response_len": max_new_tokens, **overrides}
+    return Recipe(**fields)
+
+
+def bench_config(out: Path, model_path: str, recipe: Any):
+    from raygym import DatasetConfig, ModelConfig, TrainConfig
+    from raygym.builtin import NEXT_DIGIT_TASK
+
+    return TrainConfig(recipe=recipe, model=ModelConfig(hf_checkpoint=model_path),
                        dataset=DatasetConfig(prompt_data=NEXT_DIGIT_TASK), output_dir=str(out))
 
 
@@ -71,14 +105,12 @@ def split(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
     return out
 
 
-def run_raygym(mode: str, steps: int, work: Path) -> list[dict[str, Any]]:
+def run_raygym(mode: str, steps: int, work: Path, model_path: str, max_new_tokens: int) -> list[dict[str, Any]]:
     from raygym.driver import train
 
-    overrides: dict[str, Any] = {"num_rollout": steps}
-    if mode == "async":
-        overrides["async_mode"] = True
+    recipe = bench_recipe(max_new_tokens, num_rollout=steps, async_mode=(mode == "async"))
     with contextlib.redirect_stdout(sys.stderr):  # progress lines to stderr: stdout carries only JSON lines
-        result = train(tiny_config(work / mode, **overrides))
+        result = train(bench_config(work / mode, model_path, recipe))
     return result.steps
 
 
@@ -98,6 +130,33 @@ def emit(figure: str, info: dict[str, Any], **values: Any) -> None:
     print(json.dumps({"figure": figure, **values, "machine": info}), flush=True)
 
 
+def bench_model(name: str, work: Path, args: argparse.Namespace, info: dict[str, Any]) -> None:
+    """Every figure of model size ``name``: raygym per mode, async vs sync, then TRL."""
+    model_path, params = write_model(name, work / "models")
+    max_new_tokens = MODEL_SIZES[name][1]
+    recipe = bench_recipe(max_new_tokens)
+    setup = {"model": name, "params": params, "prompts": recipe.rollout_batch_size,
+             "group": recipe.n_samples_per_prompt, "max_new_tokens": max_new_tokens, "lr": recipe.lr}
+    results: dict[str, dict[str, float]] = {}
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        rows = run_raygym(mode, args.steps, work, model_path, max_new_tokens)
+        results[mode] = split(rows, args.warmup)
+        emit(f"raygym_step_split_{mode}", info, **results[mode], setup=setup)
+    if "sync" in results and "async" in results:
+        emit("async_vs_sync_step_s", info, value=results["async"]["step_s"], baseline=results["sync"]["step_s"],
+             ratio=results["async"]["step_s"] / results["sync"]["step_s"], setup=setup)
+    if not args.trl_python:
+        print("# TRL figures skipped: pass --trl-python or set TRL_PYTHON (see this script's docstring)",
+              file=sys.stderr)
+        return
+    trl = run_trl(args.trl_python, model_path, args.steps, args.warmup, recipe)
+    base = trl["trl_seconds_per_step"]
+    for mode, figure in (("sync", "raygym_vs_trl_step_s"), ("async", "raygym_async_vs_trl_step_s")):
+        if mode in results:
+            emit(figure, info, value=results[mode]["step_s"], baseline=base, ratio=results[mode]["step_s"] / base,
+                 trl=trl, setup=setup)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=12, help="steps per run")
@@ -105,42 +164,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON"),
                    help="interpreter with trl installed (default: $TRL_PYTHON; unset = skip TRL)")
     p.add_argument("--modes", default="sync,async", help="comma-separated: sync, async")
+    p.add_argument("--models", default="ref,tiny", help=f"comma-separated model sizes: {', '.join(MODEL_SIZES)}")
     args = p.parse_args(argv)
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
-    from raygym.builtin import TINY_MODEL, materialize_model
-    from raygym.presets import tiny
-
     info = machine()
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(models) - set(MODEL_SIZES))
+    if unknown:
+        p.error(f"--models: unknown size(s) {unknown}; use {', '.join(MODEL_SIZES)}")
     ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2) + 4, num_gpus=4, include_dashboard=False,
              log_to_driver=False)  # one Ray for every run: train() attaches to it
-    results: dict[str, dict[str, float]] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="raygym-bench-e2e-") as tmp:
-            work = Path(tmp)
-            for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-                rows = run_raygym(mode, args.steps, work)
-                results[mode] = split(rows, args.warmup)
-                emit(f"raygym_step_split_{mode}", info, **results[mode])
-            if "sync" in results and "async" in results:
-                emit("async_vs_sync_step_s", info, value=results["async"]["step_s"],
-                     baseline=results["sync"]["step_s"], ratio=results["async"]["step_s"] / results["sync"]["step_s"])
-            if not args.trl_python:
-                print("# TRL figures skipped: pass --trl-python or set TRL_PYTHON (see this script's docstring)",
-                      file=sys.stderr)
-                return 0
-            recipe = tiny()
-            model_dir = materialize_model(TINY_MODEL, work / "models", seed=0)
-            trl = run_trl(args.trl_python, model_dir, args.steps, args.warmup, recipe)
-            base = trl["trl_seconds_per_step"]
-            for mode, figure in (("sync", "raygym_vs_trl_step_s"), ("async", "raygym_async_vs_trl_step_s")):
-                if mode in results:
-                    emit(figure, info, value=results[mode]["step_s"], baseline=base,
-                         ratio=results[mode]["step_s"] / base, trl=trl,
-                         setup={"prompts": recipe.rollout_batch_size, "group": recipe.n_samples_per_prompt,
-                                "max_new_tokens": recipe.rollout_max_response_len, "lr": recipe.lr})
+            for name in models:
+                bench_model(name, Path(tmp) / name, args, info)
     finally:
         ray.shutdown()
     return 0

@@ -182,6 +182,7 @@ class Loop:
     def train_on(self, samples: list[Any], step: int, timer: PhaseTimer) -> dict[str, float]:
         import ray
 
+        from raygym.trainer.actor import PackedBatch
         from raygym.trainer.batch import TrainBatch
 
         recipe = self.recipe
@@ -193,13 +194,16 @@ class Loop:
                 self.events.append(f"{step}:trainers.onload")
         batch = TrainBatch.from_samples(samples, group_size=recipe.n_samples_per_prompt)
         with timer.phase("log_probs"):
-            ref = ray.put(batch)
-            log_probs = ray.get([h.compute_log_probs.remote(ref, step) for h in self.graph.trainers.handles])[0]
-        batch = batch.with_log_probs(log_probs).with_advantages(
+            # Redundant with one optimizer step per rollout: the trainer uses its own detached log-probs.
+            if not self.graph.single_pass_log_probs:
+                ref = ray.put(PackedBatch.pack(batch))  # one object for every rank, a few flat tensors
+                log_probs = ray.get([h.compute_log_probs.remote(ref, step) for h in self.graph.trainers.handles])[0]
+                batch = batch.with_log_probs(log_probs)
+        batch = batch.with_advantages(
             recipe.advantage_estimator, kl_coef=recipe.kl_coef, gamma=recipe.gamma, lambd=recipe.lambd
         )
         with timer.phase("train"):
-            ref = ray.put(batch)
+            ref = ray.put(PackedBatch.pack(batch))
             train_metrics = ray.get([h.train_step.remote(ref, step) for h in self.graph.trainers.handles])[0]
         self.events.append(f"{step}:train")
         return {**train_metrics, **_advantage_stats(batch)}

@@ -46,6 +46,13 @@ class RunGraph:
     closed: bool = field(default=False)
     recipe: Any = None
     synced_engines: list[int] = field(default_factory=list)  # engine indexes the weight sync covers
+    trainer_info: list[dict[str, Any]] = field(default_factory=list)  # what each trainer rank's init() returned
+
+    @property
+    def single_pass_log_probs(self) -> bool:
+        """Every trainer rank takes its old log-probs from its own training pass (the driver then skips
+        ``compute_log_probs``; see ``raygym.trainer.torch_backend.reuses_current_log_probs``)."""
+        return bool(self.trainer_info) and all(i.get("single_pass_log_probs") for i in self.trainer_info)
 
     def make_weight_sync(self, engine_indexes: list[int]) -> Any:
         """A connected :class:`WeightSync` from the trainers to ``engine_indexes`` (at their current URLs).
@@ -141,7 +148,7 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
         )
         url_refs = [h.start.remote() for h in graph.engines.handles]
         say(f"starting {len(graph.trainers)} trainer(s) and {len(graph.engines)} {engine_kind} engine(s) ...")
-        ray.get(init_refs)
+        graph.trainer_info = list(ray.get(init_refs))
         graph.engine_urls = ray.get(url_refs)
         manager_cls = ray.remote(RolloutManager)
         graph.manager = manager_cls.options(num_cpus=0, max_concurrency=64).remote(

@@ -69,6 +69,23 @@ class _LoopThread:
             self.loop.close()
 
 
+def raygym_max_running_requests(settings: Any) -> int:
+    """Rows the built-in server decodes together: ``sglang_max_running_requests`` when set, else a whole
+    step's samples (``rollout_batch_size * n_samples_per_prompt``, at least 64, at most 512): the manager
+    sends a step in one batched request per engine, and two half batches cost more than one full one.
+
+    >>> raygym_max_running_requests({"rollout_batch_size": 16, "n_samples_per_prompt": 8})
+    128
+    >>> raygym_max_running_requests({"sglang_max_running_requests": 32, "rollout_batch_size": 16})
+    32
+    """
+    explicit = setting(settings, "sglang_max_running_requests")
+    if explicit is not None:
+        return int(explicit)
+    step = int(setting(settings, "rollout_batch_size", 16)) * int(setting(settings, "n_samples_per_prompt", 1))
+    return max(64, min(512, step))
+
+
 class EngineActor:
     """Launches, watches, restarts and ends one server process; talks to it over HTTP.
 
@@ -257,7 +274,7 @@ class EngineActor:
             port=port,
             python=sys.executable,
             device=self.device,
-            max_running_requests=int(setting(self.settings, "sglang_max_running_requests", 64)),
+            max_running_requests=raygym_max_running_requests(self.settings),
             custom_weight_loaders=loaders,
             weight_version=self.weight_version,
             seed=setting(self.settings, "seed"),

@@ -142,6 +142,8 @@ class EnginePool:
         self.incarnation = [0] * len(engines)  # bumped on every restart: stale failure reports are ignored
         self._last_success = [0.0] * len(engines)  # monotonic time of each engine's last good answer
         self.retries = 0  # requests re-sent after an engine failure or abort
+        # generation requests (prompt rows: a batched request of k prompts counts k) sent to each engine
+        self.routed_rows = [0] * len(engines)
         self.busy_checks = 0  # health probes that timed out on a busy but responsive engine
         self.health_timeout = health_timeout
         self.monitor = HealthMonitor(self.check_engine, self.router.healthy,
@@ -226,6 +228,8 @@ class EnginePool:
         for attempt in range(1, self.max_attempts + 1):
             i = await self._acquire(exclude)
             incarnation = self.incarnation[i]
+            ids = payload.get("input_ids")
+            self.routed_rows[i] += len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], list) else 1
             if trace is not None:
                 trace.update(engine=i, attempts=attempt, sent=time.time())
             try:

@@ -6,9 +6,10 @@ bound to it).
 
 Per step (:meth:`RolloutManager.generate`) it returns ``rollout_batch_size`` groups of
 ``n_samples_per_prompt`` samples, contiguous, ordered by the data order of their prompts
-(``group_index`` 0..B-1, ``sample_index`` 0..n-1). Every sample is one HTTP request, routed by
-least outstanding requests; rewards are scored as samples finish (per group for batched reward
-functions), off the event loop.
+(``group_index`` 0..B-1, ``sample_index`` 0..n-1). Every group is one batched HTTP request (one
+prompt and one seeded ``sampling_params`` per sample; with ``custom_generate_function`` one request
+per sample), routed by least outstanding requests; rewards are scored as groups finish, off the
+event loop.
 
 DAPO dynamic sampling (``dynamic_sampling_filter_path``): each round samples
 ``max(over_sampling_batch_size, groups still missing)`` prompts (slime's meaning: the prompts per
@@ -283,6 +284,26 @@ class RolloutManager:
         sample.weight_version = _weight_version(meta, self.weight_version)
         sample.engine = self.pool.engine_name(engine)
 
+    async def _generate_together(self, samples: list[Sample], params: list[dict[str, Any]]) -> None:
+        """One batched ``/generate`` request (SGLang's list form: one prompt and one sampling_params,
+        with its own ``sampling_seed``, per sample) for samples of one group: the same samples as one
+        request each, without the per-request HTTP and scheduling cost."""
+        traced = min(self._trace_budget, len(samples))  # the step traces trace_sample_limit samples in all
+        self._trace_budget -= traced
+        trace = {"queued": time.time()} if traced else None
+        payload = {"input_ids": [list(s.prompt_tokens) for s in samples], "sampling_params": params,
+                   "return_logprob": True}
+        engine, responses = await self.pool.request(payload, trace)
+        if not isinstance(responses, list) or len(responses) != len(samples):
+            raise RaygymError(f"{self.pool.engine_name(engine)} answered a batch of {len(samples)} prompts with "
+                              f"{len(responses) if isinstance(responses, list) else 1} outputs")
+        for sample, response in zip(samples, responses, strict=True):
+            self._fill(sample, response, engine)
+        if trace is not None:
+            trace["done"] = time.time()
+            for sample in samples[:traced]:
+                sample.trace = dict(trace)
+
     async def _generate_sample(self, sample: Sample, params: dict[str, Any], score_now: bool) -> None:
         trace = None
         if self._trace_budget > 0:
@@ -322,19 +343,49 @@ class RolloutManager:
         if group_key is None:
             group_key = self._group_counter
             self._group_counter += 1
-        samples = [
+        samples = self._new_group(row, n)
+        batched = self.rewards.convention == "batched"
+        if self._custom_generate is None:
+            await self._generate_together(samples, [self._seeded(params, group_key, s.sample_index) for s in samples])
+            await self.rewards.score(samples)
+        else:
+            await asyncio.gather(*(self._generate_sample(s, self._seeded(params, group_key, s.sample_index),
+                                                         score_now=not batched) for s in samples))
+            if batched:
+                await self.rewards.score(samples)
+        self._seen.extend(samples)
+        return samples
+
+    def _new_group(self, row: PromptRow, n: int) -> list[Sample]:
+        return [
             Sample(prompt=row.prompt, prompt_tokens=list(row.prompt_tokens), group_index=-1, sample_index=j,
                    data_index=row.data_index, label=row.label, metadata=dict(row.metadata),
                    weight_version=self.weight_version)
             for j in range(n)
         ]
-        batched = self.rewards.convention == "batched"
-        await asyncio.gather(*(self._generate_sample(s, self._seeded(params, group_key, s.sample_index),
-                                                     score_now=not batched) for s in samples))
-        if batched:
-            await self.rewards.score(samples)
-        self._seen.extend(samples)
-        return samples
+
+    async def generate_round(self, rows: Sequence[PromptRow], params: dict[str, Any], first_key: int) -> list[list[Sample]]:
+        """Generate and score one group per row (group keys ``first_key + position``) in one batched
+        request per healthy engine (contiguous shares of whole groups), so an engine prefills and decodes
+        the round as one batch instead of merging many staggered small requests. Same samples, seeds
+        and scores as :meth:`generate_group` per row."""
+        n = self.settings.n_samples_per_prompt
+        groups = [self._new_group(row, n) for row in rows]
+        parts = max(1, min(len(groups), len(self.pool.router.healthy()) or 1))
+        bounds = [round(k * len(groups) / parts) for k in range(parts + 1)]
+
+        async def part(k: int) -> None:
+            share = groups[bounds[k]:bounds[k + 1]]
+            samples = [s for g in share for s in g]
+            params_list = [self._seeded(params, first_key + bounds[k] + pos, s.sample_index)
+                           for pos, g in enumerate(share) for s in g]
+            await self._generate_together(samples, params_list)
+
+        await asyncio.gather(*(part(k) for k in range(parts)))
+        await asyncio.gather(*(self.rewards.score(g) for g in groups))
+        for g in groups:
+            self._seen.extend(g)
+        return groups
 
     def _seeded(self, params: dict[str, Any], group_key: int, sample_index: int) -> dict[str, Any]:
         if self._seed is None or "sampling_seed" in params:
@@ -356,6 +407,7 @@ class RolloutManager:
         self._seed_scope, self._group_counter = ("rollout", rollout_id), 0
         self._trace_budget = self.settings.trace_sample_limit if self.settings.capture_trace else 0
         self.pool.router.reset_counts()
+        self.pool.routed_rows = [0] * len(self.pool.routed_rows)
         failures_before, retries_before = len(self.pool.failures), self.pool.retries
         if self.settings.use_fault_tolerance:
             self.pool.monitor.activate()
@@ -390,6 +442,10 @@ class RolloutManager:
             stats["rounds"] += 1
             rows = self.dataset.next_batch(max(need, round_size))
             first_key, self._group_counter = self._group_counter, self._group_counter + len(rows)
+            if self.group_filter is None and self._custom_generate is None:  # every group is kept
+                groups = await self.generate_round(rows, params, first_key)
+                kept.extend(((round_index, pos), group) for pos, group in enumerate(groups))
+                continue
             tasks = {asyncio.create_task(self.generate_group(row, params, group_key=first_key + pos)):
                      (round_index, pos) for pos, row in enumerate(rows)}
             pending: set[asyncio.Task[list[Sample]]] = set(tasks)
@@ -452,7 +508,7 @@ class RolloutManager:
                 "rollout/dynamic_aborted_groups": float(stats["aborted"] + stats["surplus"]),
                 "rollout/dynamic_rounds": float(stats["rounds"]),
             })
-        for i, count in enumerate(self.pool.router.request_counts()):
+        for i, count in enumerate(self.pool.routed_rows):  # samples requested (a group's batch counts each)
             metrics[f"rollout/engine{i}_requests"] = float(count)
         return metrics
 

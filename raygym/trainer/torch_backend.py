@@ -46,6 +46,48 @@ RATIO_LEVEL = {"gspo": "sequence"}
 SUMMED_METRICS = ("pg_loss", "kl_loss", "entropy", "clipfrac", "approx_kl", "dual_clipfrac", "tis_weight")
 
 
+def reuses_current_log_probs(cfg: Any) -> bool:
+    """Whether the separate old-log-prob forward pass is redundant for ``cfg`` (a ``Recipe`` or
+    ``TrainerSettings``): with one optimizer step per rollout the old (pre-update) policy IS the current
+    one, so ``old_log_probs == current log-probs.detach()`` (ratio 1) — provided nothing else needs them
+    before training: no KL loss or reward KL (reference pass), no TIS, no PPO critic, no log-prob hook.
+
+    >>> from raygym.trainer.backend import TrainerSettings
+    >>> reuses_current_log_probs(TrainerSettings(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8))
+    True
+    >>> reuses_current_log_probs(TrainerSettings(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=4))
+    False
+    """
+    return (
+        cfg.global_batch_size == cfg.rollout_batch_size * cfg.n_samples_per_prompt
+        and not cfg.use_kl_loss
+        and cfg.kl_coef == 0.0
+        and not cfg.use_tis
+        and cfg.advantage_estimator != "ppo"
+        and not getattr(cfg, "use_critic", False)
+        and not getattr(cfg, "custom_megatron_before_log_prob_hook", None)
+    )
+
+
+def cpu_training_threads(cores: int, local_ranks: int) -> int:
+    """Torch intra-op threads of one CPU trainer rank: the node's cores shared by its ranks. Ray starts
+    actors with ``OMP_NUM_THREADS=1``, which leaves the other cores idle during a train step. Measured
+    on 2 cores (benchmarks/e2e.py): all cores also win in async mode, where the engine decodes meanwhile.
+
+    >>> cpu_training_threads(2, 1), cpu_training_threads(16, 4), cpu_training_threads(2, 4)
+    (2, 4, 1)
+    """
+    return max(1, cores // max(1, local_ranks))
+
+
+def has_active_dropout(model: torch.nn.Module) -> bool:
+    """Dropout makes train-mode log-probs differ from the eval-mode pass, so they cannot stand in for it."""
+    config = getattr(model, "config", None)
+    if any(float(getattr(config, name, 0.0) or 0.0) > 0.0 for name in ("attention_dropout", "hidden_dropout")):
+        return True
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0.0 for m in model.modules())
+
+
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute every decoder layer's activations in backward (transformers 5 name, 4.x fallback)."""
     kwargs = {"use_reentrant": False}
@@ -88,6 +130,7 @@ class TorchBackend(TrainerBackend):
         self.model_path = ""
         self.frozen: list[str] = []
         self.offloaded = False
+        self.single_pass = False  # train_step may use its own detached log-probs as the old ones
 
     # ---- setup -------------------------------------------------------------------------------------
     def init(self) -> dict[str, Any]:
@@ -96,6 +139,9 @@ class TorchBackend(TrainerBackend):
         self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        else:
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+            torch.set_num_threads(cpu_training_threads(len(os.sched_getaffinity(0)), local_ranks))
         if self.world_size > 1 and not dist.is_initialized():
             dist.init_process_group(
                 backend="nccl" if self.device.type == "cuda" else "gloo",
@@ -138,6 +184,7 @@ class TorchBackend(TrainerBackend):
             self.ref_model = self._load_model(ref_path, trainable=False)
             self._shard(self.ref_model)
             self._park_ref()
+        self.single_pass = reuses_current_log_probs(s) and not has_active_dropout(self.model)
         return {
             "rank": self.rank,
             "world_size": self.world_size,
@@ -149,6 +196,7 @@ class TorchBackend(TrainerBackend):
             "trainable_params": sum(p.numel() for _, p in trainable),
             "frozen": list(self.frozen),
             "reference_model": self.ref_model is not None,
+            "single_pass_log_probs": self.single_pass,
         }
 
     def _build_model(self, path: str) -> torch.nn.Module:
@@ -351,7 +399,8 @@ class TorchBackend(TrainerBackend):
             raise ConfigError(
                 "train_step: the batch has no advantages; call batch.with_advantages(...) first"
             )
-        if batch.old_log_probs is None:
+        one_step = len(optimizer_step_slices(len(batch), s.global_batch_size)) == 1
+        if batch.old_log_probs is None and not (self.single_pass and one_step):
             batch = batch.with_log_probs(self.compute_log_probs(batch, rollout_id))
         if s.uses_reference and s.use_kl_loss and batch.ref_log_probs is None:
             raise ConfigError("use_kl_loss=True: the batch has no ref_log_probs; run compute_log_probs first")
@@ -427,7 +476,8 @@ class TorchBackend(TrainerBackend):
             return pad_stack([r.float() for r in rows], width).to(dev)
 
         mask = padded(mb.loss_masks)
-        old = padded(mb.old_log_probs)
+        # old_log_probs None: the single-pass case of reuses_current_log_probs (checked in _prepare_train_batch)
+        old = logp.detach() if mb.old_log_probs is None else padded(mb.old_log_probs)
         agg = {"per_token": per_token, "num_samples": num_samples, "num_tokens": num_tokens}
         tis = None
         if s.use_tis:
