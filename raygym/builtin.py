@@ -90,7 +90,8 @@ def materialize_model(uri: str, directory: str | os.PathLike, seed: int = 0, **o
         from raygym.errors import ConfigError
 
         raise ConfigError(f"hf_checkpoint={uri!r}: unknown builtin model; the builtin model is {TINY_MODEL!r}")
-    path = Path(directory) / f"tiny-qwen3-seed{seed}"
+    suffix = "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items())) if overrides else ""
+    path = Path(directory) / f"tiny-qwen3-seed{seed}{suffix}"  # one directory per architecture
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         return str(path)
     model, tok = build_tiny_model(seed, **overrides)
