@@ -87,7 +87,7 @@ def make_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int
     batch = TrainBatch(tokens=tokens, prompt_lengths=[p for p, _ in lens], response_lengths=[r for _, r in lens],
                        loss_masks=[torch.ones(r) for _, r in lens], rewards=rewards, group_size=4)
     adv = group_advantages(torch.tensor(rewards), 4)
-    batch.advantages = [torch.full((r,), float(a)) for (_, r), a in zip(lens, adv)]
+    batch.advantages = [torch.full((r,), float(a)) for (_, r), a in zip(lens, adv, strict=True)]
     return batch
 
 
@@ -149,7 +149,7 @@ def compare_with_torch(export_dir: str, megatron_lp: list[torch.Tensor], args, b
     torch_lp = backend.compute_log_probs(batch)["log_probs"]
     torch.cuda.synchronize()
     emit("torch_logprob_tokens_per_s", round(tokens / (time.time() - t), 1))
-    diffs = torch.cat([(a.float() - b.float()).abs() for a, b in zip(megatron_lp, torch_lp)])
+    diffs = torch.cat([(a.float() - b.float()).abs() for a, b in zip(megatron_lp, torch_lp, strict=True)])
     mean_diff, max_diff = float(diffs.mean()), float(diffs.max())
     # bf16 compute on both sides: ~3 significant digits per op, log-probs of ~-12 -> allow 0.05 mean.
     ok = mean_diff < 0.05 and max_diff < 1.0

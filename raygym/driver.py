@@ -141,6 +141,20 @@ class Loop:
 
         return ray.get([getattr(h, method).remote(*args) for h in self.graph.trainers.handles])
 
+    def _critics(self, method: str, *args: Any) -> list[Any]:
+        """Call every critic rank (PPO); ``[]`` when the run has no critic."""
+        import ray
+
+        critics = self.graph.critics
+        return ray.get([getattr(h, method).remote(*args) for h in critics.handles]) if critics else []
+
+    def _memory(self, method: str) -> None:
+        """``onload`` / ``offload`` on the policy and the critic ranks together."""
+        import ray
+
+        groups = [g for g in (self.graph.trainers, self.graph.critics) if g is not None]
+        ray.get([getattr(h, method).remote() for g in groups for h in g.handles])
+
     def _engines(self, method: str, **kwargs: Any) -> None:
         """Call an :class:`EngineClient` method on every synced engine. With fault tolerance a failing
         engine is reported and skipped (its server died: the sync below leaves it out, the rollout
@@ -172,6 +186,7 @@ class Loop:
         extra = info.get("extra") or {}
         if extra.get("data_state") is not None:
             ray.get(self.graph.manager.load_data_state.remote(extra["data_state"]))
+        self._critics("load_checkpoint", None, int(info["rollout_id"]))
         self.version = int(info["start_rollout_id"])
         self.console.print(f"resumed from {info['path']} (rollout {info['rollout_id']}); "
                            f"continuing at step {info['start_rollout_id']}")
@@ -190,7 +205,7 @@ class Loop:
             with timer.phase("offload"):
                 self._engines("release_memory_occupation")
                 self.events.append(f"{step}:engines.release")
-                self._trainers("onload")
+                self._memory("onload")
                 self.events.append(f"{step}:trainers.onload")
         batch = TrainBatch.from_samples(samples, group_size=recipe.n_samples_per_prompt)
         with timer.phase("log_probs"):
@@ -199,17 +214,26 @@ class Loop:
                 ref = ray.put(PackedBatch.pack(batch))  # one object for every rank, a few flat tensors
                 log_probs = ray.get([h.compute_log_probs.remote(ref, step) for h in self.graph.trainers.handles])[0]
                 batch = batch.with_log_probs(log_probs)
+            if self.graph.critics is not None:  # PPO: the critic's values of the old states, for GAE
+                ref = ray.put(PackedBatch.pack(batch))
+                values = ray.get([h.compute_values.remote(ref, step) for h in self.graph.critics.handles])[0]
+                batch = batch.with_log_probs(values)
         batch = batch.with_advantages(
             recipe.advantage_estimator, kl_coef=recipe.kl_coef, gamma=recipe.gamma, lambd=recipe.lambd
         )
         with timer.phase("train"):
             ref = ray.put(PackedBatch.pack(batch))
-            train_metrics = ray.get([h.train_step.remote(ref, step) for h in self.graph.trainers.handles])[0]
+            policy = [h.train_step.remote(ref, step) for h in self.graph.trainers.handles]
+            critic = [h.train_step.remote(ref, step) for h in self.graph.critics.handles] if self.graph.critics else []
+            train_metrics = ray.get(policy)[0]  # the critic trains on its own ranks meanwhile
+            critic_metrics = ray.get(critic)[0] if critic else {}
         self.events.append(f"{step}:train")
-        return {**train_metrics, **_advantage_stats(batch)}
+        return {**train_metrics, **critic_metrics, **_advantage_stats(batch)}
 
     def save(self, step: int, data_state: dict[str, Any]) -> None:
         extra = {"data_state": data_state, "weight_version": self.version, "run_id": self.cfg.run_id}
+        # The critic first: a step's policy manifest (what resume looks for) then implies its critic exists.
+        self._critics("save_checkpoint", step, extra, self.cfg.checkpoint_dir)
         paths = self._trainers("save_checkpoint", step, extra, self.cfg.checkpoint_dir)
         self.checkpoints.append(paths[0])
 
@@ -245,7 +269,7 @@ class Loop:
         colocate = self.recipe.colocate
         if colocate:  # weights back before the push, the KV cache after it (FIELD-NOTES: SGLang)
             with timer.phase("offload"):
-                self._trainers("offload")
+                self._memory("offload")
                 self.events.append(f"{step}:trainers.offload")
                 self._engines("resume_memory_occupation", tags=["weights"])
                 self.events.append(f"{step}:engines.resume_weights")

@@ -47,6 +47,7 @@ class RunGraph:
     recipe: Any = None
     synced_engines: list[int] = field(default_factory=list)  # engine indexes the weight sync covers
     trainer_info: list[dict[str, Any]] = field(default_factory=list)  # what each trainer rank's init() returned
+    critics: Any = None  # ActorGroup of TrainerActor(role="critic") when use_critic, else None
 
     @property
     def single_pass_log_probs(self) -> bool:
@@ -95,7 +96,7 @@ class RunGraph:
                 step()
             except Exception as exc:  # keep tearing down the rest
                 logger.debug("shutdown of %s failed: %s", what, exc)
-        for group in (self.engines, self.trainers):
+        for group in (self.engines, self.critics, self.trainers):
             if group is not None:
                 group.kill()
         if self.manager is not None:
@@ -119,11 +120,6 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
     from raygym.weightsync.payload import LOADER
 
     recipe = cfg.recipe
-    if recipe.use_critic:
-        raise ConfigError(
-            "use_critic=True: the critic role is not implemented by raygym's trainers yet; "
-            "use a critic-free estimator (grpo, dr_grpo, gspo, reinforce_plus_plus[_baseline])"
-        )
     engine_kind = choose_rollout_engine(recipe.rollout_engine)
     graph = RunGraph(None, None, None, [], None, None, recipe=recipe)
     try:
@@ -134,6 +130,13 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
             environment=recipe.environment, train_env_vars=recipe.train_env_vars,
         )
         init_refs = [h.init.remote() for h in graph.trainers.handles]
+        critic_refs: list[Any] = []
+        if recipe.use_critic:  # PPO's value model: its own ranks, process group and checkpoints
+            graph.critics = start_trainer_group(
+                graph.placement, TrainerActor, role="critic", args=(cfg,), kwargs={"role": "critic"},
+                environment=recipe.environment, train_env_vars=recipe.train_env_vars,
+            )
+            critic_refs = [h.init.remote() for h in graph.critics.handles]
         graph.engines = start_engine_group(
             graph.placement, EngineActor,
             args=(recipe,),
@@ -147,8 +150,10 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
             environment=recipe.environment,
         )
         url_refs = [h.start.remote() for h in graph.engines.handles]
-        say(f"starting {len(graph.trainers)} trainer(s) and {len(graph.engines)} {engine_kind} engine(s) ...")
+        critics = f", {len(graph.critics)} critic(s)" if graph.critics else ""
+        say(f"starting {len(graph.trainers)} trainer(s){critics} and {len(graph.engines)} {engine_kind} engine(s) ...")
         graph.trainer_info = list(ray.get(init_refs))
+        ray.get(critic_refs)
         graph.engine_urls = ray.get(url_refs)
         manager_cls = ray.remote(RolloutManager)
         graph.manager = manager_cls.options(num_cpus=0, max_concurrency=64).remote(
@@ -156,6 +161,8 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
         )
         graph.make_weight_sync(list(range(len(graph.engines))))
         call_all(graph.trainers, "get_rank")  # surfaces an init failure now, with its traceback
+        if graph.critics is not None:
+            call_all(graph.critics, "get_rank")
         return graph
     except BaseException:
         graph.shutdown()
@@ -168,6 +175,7 @@ def describe_actor_death(exc: BaseException, graph: RunGraph | None) -> str:
     if graph is None:
         return text
     handles = {"trainer": graph.trainers.handles if graph.trainers else [],
+               "critic": graph.critics.handles if graph.critics else [],
                "engine": graph.engines.handles if graph.engines else []}
     actor_id = getattr(exc, "actor_id", None)
     for role, hs in handles.items():

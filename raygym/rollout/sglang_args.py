@@ -16,8 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from raygym.errors import ConfigError
-
-from raygym.weightsync.payload import LOADER as DELTA_LOADER  # noqa: E402  (one name for every sender)
+from raygym.weightsync.payload import LOADER as DELTA_LOADER  # one name for every sender
 
 # recipe field -> (SGLang flag, kind); kind "bool" = flag present when true, "list" = nargs.
 _SGLANG_FLAGS: dict[str, tuple[str, str]] = {

@@ -79,8 +79,8 @@ def choose_backend(name: str) -> str:
 
 
 def make_backend(name: str, settings: TrainerSettings, role: str) -> TrainerBackend:
-    if role == "critic" and name == "auto":
-        name = "torch"  # the PPO critic exists on the torch backend only
+    if role == "critic":
+        name = "torch"  # the PPO critic exists on the torch backend only (also beside a Megatron policy)
     if choose_backend(name) == "megatron":
         try:
             from raygym.trainer.megatron_backend import MegatronBackend
@@ -185,19 +185,28 @@ class TrainerActor:
             hf_source=self.backend.model_path,
         )
 
-    def load_checkpoint(self, load_dir: str | None = None) -> dict[str, Any] | None:
-        """Resume from the newest complete checkpoint in ``load_dir`` (default ``recipe.load``).
+    def load_checkpoint(self, load_dir: str | None = None, rollout_id: int | None = None) -> dict[str, Any] | None:
+        """Resume from the newest complete checkpoint in ``load_dir`` (default ``recipe.load``), or from
+        the one of step ``rollout_id`` (the critic follows the policy's step, so the two never mix steps).
 
         Returns None when there is nothing to load, else ``{"rollout_id", "start_rollout_id", "extra",
         "path"}``; ``start_rollout_id`` follows the recipe's ``start_rollout_id`` (None = stored + 1).
         """
-        from raygym.checkpoint import latest_checkpoint, load_checkpoint, resolve_start_rollout_id
+        from raygym.checkpoint import list_checkpoints, load_checkpoint, resolve_start_rollout_id
 
         source = load_dir or self._recipe_value("load", "")
         if not source:
             return None
         source = self._role_dir(source)
-        info = latest_checkpoint(source)
+        done = list_checkpoints(source)
+        if rollout_id is not None:
+            done = [c for c in done if c.rollout_id == rollout_id]
+            if not done:
+                raise ConfigError(
+                    f"load={source!r}: no complete {self.role} checkpoint for rollout {rollout_id}; "
+                    "the policy and critic checkpoints of a step are saved together, restore both or neither"
+                )
+        info = done[-1] if done else None
         if info is None:
             return None
         load_optim = not self._recipe_value("no_load_optim", False)

@@ -386,7 +386,7 @@ def pack_samples(tokens: Sequence[torch.Tensor], multiple: int = 1, with_mask: b
     ids = torch.zeros(padded, dtype=torch.int64)
     pos = torch.zeros(padded, dtype=torch.int64)
     bounds = [0]
-    for t, n in zip(tokens, lengths):
+    for t, n in zip(tokens, lengths, strict=True):
         s = bounds[-1]
         ids[s : s + n] = t.to(torch.int64)
         pos[s : s + n] = torch.arange(n)
@@ -645,7 +645,7 @@ class MegatronBackend(TrainerBackend):
         token_lp = -tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), targets.transpose(0, 1))
         token_lp = token_lp.transpose(0, 1)[0]  # [T]
         out_lp, out_ent = [], []
-        for start, n, r in zip(packed.starts, packed.lengths, response_lengths):
+        for start, n, r in zip(packed.starts, packed.lengths, response_lengths, strict=True):
             lo, hi = start + n - r - 1, start + n - 1  # logits at t predict token t+1
             out_lp.append(token_lp[lo:hi])
             if entropy is not None:
@@ -696,7 +696,7 @@ class MegatronBackend(TrainerBackend):
             for mb in self._micro_batches(lengths):
                 idx = [mine[j] for j in mb]
                 lps, _ = self._forward_log_probs([batch.tokens[i] for i in idx], [batch.response_lengths[i] for i in idx])
-                for i, lp in zip(idx, lps):
+                for i, lp in zip(idx, lps, strict=True):
                     results[i] = lp.float().cpu()
         self.model.train()
         return {"log_probs": self._gather_over_dp(results, len(batch))}
@@ -847,7 +847,7 @@ class MegatronBackend(TrainerBackend):
         keys = sorted(metrics)
         stacked = torch.stack([metrics[k] for k in keys]).to(self.device)
         dist.all_reduce(stacked, group=ps.get_data_parallel_group())
-        return dict(zip(keys, stacked.cpu()))
+        return dict(zip(keys, stacked.cpu(), strict=True))
 
     # ---- memory and checkpoints ---------------------------------------------------------------
     def offload(self) -> None:

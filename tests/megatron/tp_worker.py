@@ -37,7 +37,7 @@ def hf_log_probs(model_dir: str, batch) -> list[torch.Tensor]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
     with torch.no_grad():
-        for t, r in zip(batch.tokens, batch.response_lengths):
+        for t, r in zip(batch.tokens, batch.response_lengths, strict=True):
             logits = model(t[None]).logits[0].float()
             lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, t[1:, None])[:, 0]
             out.append(lp[-r:])
@@ -70,22 +70,22 @@ def check_model(model_dir: str, tp: int, train: bool) -> dict:
     batch = sample_batch(int(backend.shape.vocab_size), seed=1)
     ours = backend.compute_log_probs(batch)["log_probs"]
     ref = hf_log_probs(model_dir, batch)
-    result["lengths_ok"] = all(a.shape == b.shape for a, b in zip(ours, ref))
-    result["logprob_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(ours, ref))
+    result["lengths_ok"] = all(a.shape == b.shape for a, b in zip(ours, ref, strict=True))
+    result["logprob_max_abs_diff"] = max(float((a - b).abs().max()) for a, b in zip(ours, ref, strict=True))
 
     if train:
         from raygym.algo import group_advantages
 
         adv = group_advantages(torch.tensor(batch.rewards), batch.group_size)
         batch.old_log_probs = ours
-        batch.advantages = [torch.full((r,), float(a)) for r, a in zip(batch.response_lengths, adv)]
+        batch.advantages = [torch.full((r,), float(a)) for r, a in zip(batch.response_lengths, adv, strict=True)]
         metrics = backend.train_step(batch, rollout_id=0)
         after = dict(backend.iter_hf_weights())
         new_lp = backend.compute_log_probs(batch)["log_probs"]
 
         # What the step should raise: the advantage-weighted log-likelihood of the trained tokens.
         def objective(lps):
-            return sum(float((lp * m).sum() * a) for lp, m, a in zip(lps, batch.loss_masks, adv))
+            return sum(float((lp * m).sum() * a) for lp, m, a in zip(lps, batch.loss_masks, adv, strict=True))
 
         result["train_metrics"] = metrics
         result["changed_tensors"] = sum(not torch.equal(exported[n], after[n]) for n in exported)
