@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raygym.errors import RaygymError, WeightSyncError
+from raygym.errors import ConfigError, RaygymError, WeightSyncError
 from raygym.metrics import (
     MetricsLogger,
     PhaseTimer,
@@ -469,6 +469,10 @@ def train(cfg: Any) -> TrainResult:
         fast_release = False
     except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
         raise_actor_death(exc, graph, last_complete_checkpoint(cfg.checkpoint_dir))
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, ConfigError):  # a user mistake found inside an actor: say it plainly
+            raise exc.cause from None
+        raise
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: releasing actors and placement groups[/]")
         raise

@@ -155,6 +155,8 @@ class TorchBackend(TrainerBackend):
             torch.cuda.set_device(self.device)
         else:
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+            if getattr(self.settings.recipe, "use_critic", False):
+                local_ranks *= 2  # the policy's and the critic's ranks train at the same time
             busy = overlapping_engine_threads(self.settings.recipe)
             torch.set_num_threads(cpu_training_threads(len(os.sched_getaffinity(0)), local_ranks, busy))
         if self.world_size > 1 and not dist.is_initialized():

@@ -3,6 +3,7 @@
 Run A trains 3 PPO steps (GAE over the critic's values) and checkpoints policy and critic after steps 1
 and 2. Run B restarts from a copy of A's step-1 checkpoints (policy and ``critic/``) and must reproduce
 A's step 2, the critic's numbers included — which only holds if the critic was saved and restored.
+Run C is given a policy checkpoint whose critic is missing and must refuse to start.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 
 from raygym import DatasetConfig, ModelConfig, Recipe, TrainConfig
 from raygym.builtin import NEXT_DIGIT_TASK, TINY_MODEL
+from raygym.errors import ConfigError
 from raygym.presets import tiny
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -35,7 +37,7 @@ def rows_of(result: Any) -> dict[int, dict[str, Any]]:
     return {r["step"]: r for r in map(json.loads, Path(result.metrics_path).read_text().splitlines())}
 
 
-def test_ppo_trains_critic_checkpoints_and_resumes(ray_local, tmp_path):
+def test_ppo_trains_critic_checkpoints_resumes_and_refuses_mixed_steps(ray_local, tmp_path):
     from raygym.checkpoint import list_checkpoints
     from raygym.driver import train
 
@@ -68,14 +70,9 @@ def test_ppo_trains_critic_checkpoints_and_resumes(ray_local, tmp_path):
     for key in (*CRITIC_KEYS, "train/loss", "train/adv_mean"):
         assert b[key] == pytest.approx(a[2][key], rel=1e-4, abs=1e-6), (key, b[key], a[2][key])
 
-
-def test_critic_checkpoint_missing_for_the_policy_step_is_refused(ray_local, tmp_path):
-    from raygym.driver import train
-
-    a = train(ppo_config(tmp_path / "a", num_rollout=2, save_interval=1))
-    ckpts = Path(a.checkpoint_paths[0]).parent
-    save = tmp_path / "b" / "checkpoints"
-    shutil.copytree(ckpts / "iter_0000001", save / "iter_0000001")  # the policy's, without its critic
-    shutil.copytree(ckpts / "critic" / "iter_0000000", save / "critic" / "iter_0000000")
-    with pytest.raises(Exception, match="no complete critic checkpoint for rollout 1"):
-        train(ppo_config(tmp_path / "b", save=str(save), load=str(save)))
+    # A policy checkpoint without its critic's (the critic of another step only) is refused, not mixed.
+    mixed = tmp_path / "c" / "checkpoints"
+    shutil.copytree(ckpts / "iter_0000002", mixed / "iter_0000002")
+    shutil.copytree(ckpts / "critic" / "iter_0000001", mixed / "critic" / "iter_0000001")
+    with pytest.raises(ConfigError, match="no complete critic checkpoint for rollout 2"):
+        train(ppo_config(tmp_path / "c", save=str(mixed), load=str(mixed)))
