@@ -41,6 +41,12 @@ _client: Any = None
 _client_lock = threading.Lock()
 
 
+# Idle pooled connections are dropped after this many seconds, well before the servers drop them
+# (uvicorn, under SGLang: 5 s; aiohttp, raygym's server: 75 s), so a request never races a server
+# closing its end. The calls of one sync come milliseconds apart and still share connections.
+KEEPALIVE_S = 2.0
+
+
 def http_client() -> Any:
     """The process's pooled ``httpx.Client`` (thread-safe, keep-alive). Building a client costs ~40 ms
     (its TLS context), as much as a whole weight transfer of a small model; a pooled POST ~2 ms."""
@@ -49,7 +55,8 @@ def http_client() -> Any:
         if _client is None:
             import httpx
 
-            _client = httpx.Client(limits=httpx.Limits(max_keepalive_connections=64))
+            limits = httpx.Limits(max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S)
+            _client = httpx.Client(limits=limits)
         return _client
 
 
