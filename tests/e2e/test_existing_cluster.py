@@ -7,78 +7,37 @@ ports, in its own RAY_TMPDIR) and ended by that process group's id; nothing else
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
+from ray_head_process import free_ports, head_env, ray_head_process
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @pytest.fixture(scope="module")
 def ray_head():
     """A private Ray head (no dashboard, auth off, 2 logical GPUs); yields (address, env for clients)."""
-    gcs, nm, om, metrics, rt_agent, agent_grpc, agent_http = _free_ports(7)
-    tmp = tempfile.mkdtemp(prefix="rgc-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    env = {**os.environ, "RAY_TMPDIR": tmp, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    env.pop("RAY_ADDRESS", None)
-    cmd = [
-        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-        "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--include-dashboard", "false",
-        "--node-manager-port", str(nm), "--object-manager-port", str(om), "--metrics-export-port", str(metrics),
-        "--runtime-env-agent-port", str(rt_agent), "--dashboard-agent-grpc-port", str(agent_grpc),
-        "--dashboard-agent-listen-port", str(agent_http),
-        "--num-cpus", "4", "--num-gpus", "2", "--object-store-memory", str(256 * 1024 * 1024),
-        "--disable-usage-stats",
-    ]  # fmt: skip
-    log = open(Path(tmp) / "ray-start.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    gcs, nm, om, metrics, rt_agent, agent_grpc, agent_http = free_ports(7)
+    _, env = head_env(RAY_AUTH_MODE="disabled")
     address = f"127.0.0.1:{gcs}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={address!r}); "
-                                    "print(int(ray.cluster_resources().get('GPU', 0)))"],
-                                   env=env, capture_output=True, text=True, timeout=60)
-            if probe.returncode == 0 and probe.stdout.strip().endswith("2"):
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ray head did not come up:\n{(Path(tmp) / 'ray-start.log').read_text()}")
-            time.sleep(1.0)
+    ports = ["--port", str(gcs), "--include-dashboard", "false", "--node-manager-port", str(nm),
+             "--object-manager-port", str(om), "--metrics-export-port", str(metrics),
+             "--runtime-env-agent-port", str(rt_agent), "--dashboard-agent-grpc-port", str(agent_grpc),
+             "--dashboard-agent-listen-port", str(agent_http)]
+
+    def two_gpus_visible() -> bool:
+        probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={address!r}); "
+                                "print(int(ray.cluster_resources().get('GPU', 0)))"],
+                               env=env, capture_output=True, text=True, timeout=60)
+        return probe.returncode == 0 and probe.stdout.strip().endswith("2")
+
+    with ray_head_process(ports, env, ready=two_gpus_visible):
         yield address, env
-    finally:
-        # Our own process group only: `ray start --block` ends the Ray processes it spawned on SIGTERM;
-        # anything of that group still alive afterwards is killed by the group id.
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
-        log.close()
 
 
 def test_train_attaches_to_the_cluster_at_ray_address(ray_head, tmp_path):

@@ -7,35 +7,17 @@ ports, in its own RAY_TMPDIR) and ended by that process group's id — nothing e
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import pytest
+from ray_head_process import free_ports, head_env, ray_head_process
 
 from launchers.ray_job import REPO_ROOT, main, submit_train_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 TOKEN = "raygym-e2e-token-0123456789abcdef"
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _dashboard_up(url: str) -> bool:
@@ -51,44 +33,15 @@ def _dashboard_up(url: str) -> bool:
 @pytest.fixture(scope="module")
 def ray_head():
     """A private Ray head with dashboard and token auth on; yields (dashboard URL, env for clients)."""
-    gcs, dash, agent_http, agent_grpc, rt_agent, metrics, nm, om, client = _free_ports(9)
-    tmp = tempfile.mkdtemp(prefix="rgj-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    env = {**os.environ, "RAY_TMPDIR": tmp, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
-    env.pop("RAY_ADDRESS", None)
-    cmd = [
-        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-        "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--dashboard-host", "127.0.0.1",
-        "--dashboard-port", str(dash), "--dashboard-agent-listen-port", str(agent_http),
-        "--dashboard-agent-grpc-port", str(agent_grpc), "--runtime-env-agent-port", str(rt_agent),
-        "--metrics-export-port", str(metrics), "--node-manager-port", str(nm),
-        "--object-manager-port", str(om), "--ray-client-server-port", str(client),
-        "--num-cpus", "4", "--num-gpus", "2", "--object-store-memory", str(256 * 1024 * 1024),
-        "--disable-usage-stats",
-    ]  # fmt: skip
-    log = open(Path(tmp) / "ray-start.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    gcs, dash, agent_http, agent_grpc, rt_agent, metrics, nm, om, client = free_ports(9)
+    _, env = head_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)
+    ports = ["--port", str(gcs), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
+             "--dashboard-agent-listen-port", str(agent_http), "--dashboard-agent-grpc-port", str(agent_grpc),
+             "--runtime-env-agent-port", str(rt_agent), "--metrics-export-port", str(metrics),
+             "--node-manager-port", str(nm), "--object-manager-port", str(om), "--ray-client-server-port", str(client)]
     url = f"http://127.0.0.1:{dash}"
-    try:
-        deadline = time.monotonic() + 60
-        while not _dashboard_up(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ray head did not come up:\n{(Path(tmp) / 'ray-start.log').read_text()}")
-            time.sleep(0.5)
+    with ray_head_process(ports, env, ready=lambda: _dashboard_up(url), timeout_s=60):
         yield url, env
-    finally:
-        # Our own process group only: `ray start --block` ends the Ray processes it spawned on SIGTERM;
-        # anything of that group still alive afterwards is killed by the group id.
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=10)
-        log.close()
 
 
 def test_tiny_job_succeeds_through_the_launcher(ray_head, tmp_path):
