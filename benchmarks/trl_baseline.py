@@ -4,7 +4,7 @@ Runs in TRL's own interpreter (TRL is not a raygym dependency). Create it once w
 ``python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install trl``, then
 ``benchmarks/e2e.py --trl-python .venv-trl/bin/python`` runs this script there as a subprocess.
 
-Same task (builtin next-digit prompts, the same shaped reward), same model (a tiny Qwen3 checkpoint
+Same task (builtin next-digit prompts and shaped reward, imported from ``raygym.builtin``), same model (a tiny Qwen3 checkpoint
 directory written by ``raygym.builtin``), same group size, prompts per step, response length and
 learning rate; one optimizer step per generation, no KL term, CPU. Prints one JSON line:
 ``{"trl_seconds_per_step": ..., "steps": ..., "reward_first": ..., "reward_last": ...}``.
@@ -16,29 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
 
-
-def next_digit_rows(n: int, seed: int) -> list[dict[str, str]]:
-    """Prompts ``next:7=`` with label ``8``, as ``raygym.builtin.next_digit_rows`` writes them."""
-    import random
-
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        d = rng.randrange(10)
-        rows.append({"prompt": f"next:{d}=", "label": str((d + 1) % 10)})
-    return rows
-
-
-def next_digit_reward(response: str, label: str) -> float:
-    """The reward of ``raygym.builtin.next_digit_reward`` (0.25 digit first, +0.5 right, +0.25 stop)."""
-    text = response.strip()
-    if not text or not text[0].isdigit():
-        return 0.0
-    return 0.25 + (0.5 if text[0] == label else 0.0) + (0.25 if len(text) == 1 else 0.0)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # raygym from this checkout
+from raygym.builtin import next_digit_reward, next_digit_rows  # noqa: E402  (the task raygym trains on)
 
 
 def main(argv: list[str] | None = None) -> int:
