@@ -3,64 +3,23 @@ FSDP2 equivalence, checkpoint and export round trips."""
 
 from __future__ import annotations
 
-import os
-import random
-import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from trainer_setup import free_port, join_local_world, make_batch
+from trainer_setup import settings_for as base_settings
 
 from raygym.errors import ConfigError
 from raygym.trainer import TrainBatch, TrainerActor, TrainerSettings
 from raygym.trainer.actor import make_backend
 from raygym.trainer.critic import TorchCriticBackend, load_value_model, value_clip_range
 from raygym.trainer.torch_backend import TorchBackend
-from raygym.types import Sample
-
-VOCAB_LOW, VOCAB_HIGH = 2, 40  # real character ids of the builtin tokenizer
-
-
-def make_batch(seed: int = 0, groups: int = 2, group_size: int = 4) -> TrainBatch:
-    """Random prompts/responses with rewards in [0, 1]; one sample per group has untrained middle tokens."""
-    rng = random.Random(seed)
-    samples = []
-    for g in range(groups):
-        prompt = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(rng.randrange(3, 8))]
-        for j in range(group_size):
-            response = [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(rng.randrange(2, 14))]
-            mask = [1] * len(response)
-            if j == 1 and len(response) >= 4:
-                mask[1:3] = [0, 0]
-            samples.append(
-                Sample(
-                    prompt="p",
-                    prompt_tokens=prompt,
-                    group_index=g,
-                    sample_index=j,
-                    response_tokens=response,
-                    loss_mask=mask,
-                    reward=float(rng.random()),
-                )
-            )
-    return TrainBatch.from_samples(samples)
 
 
 def settings_for(path: str, **overrides) -> TrainerSettings:
-    base = dict(
-        hf_checkpoint=path,
-        lr=1e-3,
-        weight_decay=0.0,
-        global_batch_size=8,
-        max_tokens_per_gpu=48,
-        use_dynamic_batch_size=True,
-        clip_grad=1.0,
-        seed=7,
-        advantage_estimator="ppo",
-    )
-    base.update(overrides)
-    return TrainerSettings(**base)
+    return base_settings(path, **{"advantage_estimator": "ppo", **overrides})
 
 
 def with_returns(critic, batch: TrainBatch) -> TrainBatch:
@@ -196,21 +155,8 @@ def test_value_clip_comes_from_a_value_clip_field_else_eps_clip():
     assert value_clip_range(TrainerSettings(recipe=SimpleNamespace(value_clip=None))) is None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _critic_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
+    join_local_world(rank, world, port)
     critic = TorchCriticBackend(
         settings_for(path, max_tokens_per_gpu=30, balance_data=True, dist_timeout_s=120)
     )
@@ -230,7 +176,7 @@ def _critic_worker(rank: int, world: int, port: int, path: str, out: str) -> Non
 def test_two_fsdp_critic_ranks_match_one_rank(tiny_model_path, tmp_path):
     out = str(tmp_path / "critic.pt")
     mp.start_processes(
-        _critic_worker, args=(2, _free_port(), tiny_model_path, out), nprocs=2, start_method="spawn"
+        _critic_worker, args=(2, free_port(), tiny_model_path, out), nprocs=2, start_method="spawn"
     )
     two = torch.load(out, weights_only=True)
     rank1_values = torch.load(out + ".rank1", weights_only=True)["values"]

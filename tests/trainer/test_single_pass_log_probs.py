@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_torch_backend import make_batch, params_of, settings_for
+from test_torch_backend import params_of
+from trainer_setup import make_batch, settings_for
 
 from raygym.trainer import TrainerSettings
 from raygym.trainer.torch_backend import TorchBackend, has_active_dropout, reuses_current_log_probs
