@@ -209,22 +209,26 @@ class Loop:
                 self.events.append(f"{step}:trainers.onload")
         batch = TrainBatch.from_samples(samples, group_size=recipe.n_samples_per_prompt)
         with timer.phase("log_probs"):
-            # Redundant with one optimizer step per rollout: the trainer uses its own detached log-probs.
-            if not self.graph.single_pass_log_probs:
+            # Old log-probs are redundant with one optimizer step per rollout (the trainer then uses its own
+            # detached ones); PPO's critic values the old states for GAE. Both passes run at the same time.
+            policy_ranks = self.graph.trainers.handles
+            critic_ranks = self.graph.critics.handles if self.graph.critics is not None else []
+            old_pass = [] if self.graph.single_pass_log_probs else policy_ranks
+            if old_pass or critic_ranks:
                 ref = ray.put(PackedBatch.pack(batch))  # one object for every rank, a few flat tensors
-                log_probs = ray.get([h.compute_log_probs.remote(ref, step) for h in self.graph.trainers.handles])[0]
-                batch = batch.with_log_probs(log_probs)
-            if self.graph.critics is not None:  # PPO: the critic's values of the old states, for GAE
-                ref = ray.put(PackedBatch.pack(batch))
-                values = ray.get([h.compute_values.remote(ref, step) for h in self.graph.critics.handles])[0]
-                batch = batch.with_log_probs(values)
+                log_probs = [h.compute_log_probs.remote(ref, step) for h in old_pass]
+                values = [h.compute_values.remote(ref, step) for h in critic_ranks]
+                if log_probs:
+                    batch = batch.with_log_probs(ray.get(log_probs)[0])
+                if values:
+                    batch = batch.with_log_probs(ray.get(values)[0])
         batch = batch.with_advantages(
             recipe.advantage_estimator, kl_coef=recipe.kl_coef, gamma=recipe.gamma, lambd=recipe.lambd
         )
         with timer.phase("train"):
             ref = ray.put(PackedBatch.pack(batch))
-            policy = [h.train_step.remote(ref, step) for h in self.graph.trainers.handles]
-            critic = [h.train_step.remote(ref, step) for h in self.graph.critics.handles] if self.graph.critics else []
+            policy = [h.train_step.remote(ref, step) for h in policy_ranks]
+            critic = [h.train_step.remote(ref, step) for h in critic_ranks]
             train_metrics = ray.get(policy)[0]  # the critic trains on its own ranks meanwhile
             critic_metrics = ray.get(critic)[0] if critic else {}
         self.events.append(f"{step}:train")
