@@ -14,7 +14,8 @@ Figures (one JSON line each, with the machine):
 - ``async_vs_sync_step_s``: async step time against the sync step time of the same run (ratio);
 - ``raygym_vs_trl_step_s`` / ``raygym_async_vs_trl_step_s``: raygym's step time against TRL's
   ``GRPOTrainer`` on the same task, model, group size, prompts per step, response length and learning
-  rate, run on the same machine in the same run (goal: ratio <= 1.0; stretch: async <= 0.5).
+  rate, run on the same machine in the same run, once before and once after raygym's runs (baseline: their
+  mean; ``trl.spread``: how far the machine drifted) (goal: ratio <= 1.0; stretch: async <= 0.5).
 
 TRL is not a raygym dependency: it runs in its own interpreter, ``--trl-python`` (default: the
 ``TRL_PYTHON`` environment variable; without either, the TRL figures are skipped with a message).
@@ -131,12 +132,17 @@ def emit(figure: str, info: dict[str, Any], **values: Any) -> None:
 
 
 def bench_model(name: str, work: Path, args: argparse.Namespace, info: dict[str, Any]) -> None:
-    """Every figure of model size ``name``: raygym per mode, async vs sync, then TRL."""
+    """Every figure of model size ``name``: TRL, raygym per mode, TRL again; async vs sync; raygym vs TRL.
+
+    TRL runs before and after raygym and its baseline is the mean of the two, so a machine that drifts
+    during the benchmark (a shared 2-core VM measured the same decode at 0.25-0.45 s within an hour)
+    moves both sides of the ratio; ``trl.spread`` (slower / faster run) says how much it drifted."""
     model_path, params = write_model(name, work / "models")
     max_new_tokens = MODEL_SIZES[name][1]
     recipe = bench_recipe(max_new_tokens)
     setup = {"model": name, "params": params, "prompts": recipe.rollout_batch_size,
              "group": recipe.n_samples_per_prompt, "max_new_tokens": max_new_tokens, "lr": recipe.lr}
+    trl_runs = [run_trl(args.trl_python, model_path, args.steps, args.warmup, recipe)] if args.trl_python else []
     results: dict[str, dict[str, float]] = {}
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         rows = run_raygym(mode, args.steps, work, model_path, max_new_tokens)
@@ -149,8 +155,10 @@ def bench_model(name: str, work: Path, args: argparse.Namespace, info: dict[str,
         print("# TRL figures skipped: pass --trl-python or set TRL_PYTHON (see this script's docstring)",
               file=sys.stderr)
         return
-    trl = run_trl(args.trl_python, model_path, args.steps, args.warmup, recipe)
-    base = trl["trl_seconds_per_step"]
+    trl_runs.append(run_trl(args.trl_python, model_path, args.steps, args.warmup, recipe))
+    seconds = [r["trl_seconds_per_step"] for r in trl_runs]
+    base = sum(seconds) / len(seconds)
+    trl = {"trl_seconds_per_step": base, "runs": trl_runs, "spread": max(seconds) / min(seconds)}
     for mode, figure in (("sync", "raygym_vs_trl_step_s"), ("async", "raygym_async_vs_trl_step_s")):
         if mode in results:
             emit(figure, info, value=results[mode]["step_s"], baseline=base, ratio=results[mode]["step_s"] / base,
