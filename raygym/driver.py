@@ -136,24 +136,23 @@ class Loop:
         self.engine_rebuilds = 0  # weight-sync rebuilds after engine restarts
 
     # ---- phases ---------------------------------------------------------------------------------
-    def _trainers(self, method: str, *args: Any) -> list[Any]:
+    @staticmethod
+    def _call(groups: tuple[Any, ...], method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every rank of ``groups`` (ActorGroups; None = absent) at once, results in order."""
         import ray
 
-        return ray.get([getattr(h, method).remote(*args) for h in self.graph.trainers.handles])
+        return ray.get([getattr(h, method).remote(*args) for g in groups if g is not None for h in g.handles])
+
+    def _trainers(self, method: str, *args: Any) -> list[Any]:
+        return self._call((self.graph.trainers,), method, *args)
 
     def _critics(self, method: str, *args: Any) -> list[Any]:
-        """Call every critic rank (PPO); ``[]`` when the run has no critic."""
-        import ray
-
-        critics = self.graph.critics
-        return ray.get([getattr(h, method).remote(*args) for h in critics.handles]) if critics else []
+        """Every critic rank (PPO); ``[]`` when the run has no critic."""
+        return self._call((self.graph.critics,), method, *args)
 
     def _memory(self, method: str) -> None:
         """``onload`` / ``offload`` on the policy and the critic ranks together."""
-        import ray
-
-        groups = [g for g in (self.graph.trainers, self.graph.critics) if g is not None]
-        ray.get([getattr(h, method).remote() for g in groups for h in g.handles])
+        self._call((self.graph.trainers, self.graph.critics), method)
 
     def _engines(self, method: str, **kwargs: Any) -> None:
         """Call an :class:`EngineClient` method on every synced engine. With fault tolerance a failing

@@ -90,8 +90,7 @@ def overlapping_engine_threads(recipe: Any) -> int:
     otherwise 0, as the engines are idle during a synchronous train step."""
     if recipe is None or not getattr(recipe, "async_mode", False) or getattr(recipe, "colocate", False):
         return 0
-    per_engine = int(getattr(recipe, "rollout_num_gpus_per_engine", 1) or 1)
-    return max(1, int(getattr(recipe, "rollout_num_gpus", 1) or 1) // per_engine)
+    return recipe.gpu_allocation().rollout_engines
 
 
 def has_active_dropout(model: torch.nn.Module) -> bool:
