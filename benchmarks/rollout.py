@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from raygym.builtin import TINY_MODEL, build_tokenizer, materialize_model, next_digit_rows  # noqa: E402
+from raygym.presets import tiny  # noqa: E402
 from raygym.rollout.engine import EngineActor  # noqa: E402
 
 # ~10M parameters: 10 layers of hidden 256 / MLP 1024 on the builtin character vocabulary.
@@ -118,7 +119,7 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
         params = sum(p.numel() for p in model.parameters())
         actor = EngineActor(
-            {"seed": 0, "sglang_max_running_requests": args.prompts},
+            tiny().replace(seed=0, sglang_max_running_requests=args.prompts),
             0,
             path,
             [],

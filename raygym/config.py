@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from raygym.allocation import GpuAllocation, compute_allocation
 from raygym.errors import ConfigError
+from raygym.rollout.capabilities import check_weight_sync
 
 __all__ = [
     "ConfigError",
@@ -512,6 +513,11 @@ class Recipe(_Section):
         "abort", "How engines pause generation for a sync: 'abort' or 'in_place'."
     )
     update_weight_timeout: float = _f(600.0, "Seconds one weight sync may take before it fails.")
+    update_weight_probe_tolerance: float = _f(
+        0.1,
+        "Engines verified by probe (stock SGLang): largest mean |log-prob difference| between the engine and "
+        "the trainer on a seeded probe after a sync before it counts as failed.",
+    )
 
     # ── custom functions (a callable, or an import path 'pkg.module:function') ──
     custom_rm_function: CustomFunction = _f(
@@ -551,6 +557,11 @@ class Recipe(_Section):
     sglang_reasoning_parser: str | None = _f(None, "Parser for reasoning/thinking output.")
     sglang_config: dict[str, Any] | None = _f(None, "Extra SGLang engine settings (server arguments).")
     sglang_request_params: dict[str, Any] | None = _f(None, "Additional parameters for generation requests.")
+    rollout_engine_python: str = _f(
+        "",
+        "Python interpreter that runs the engine server (e.g. the venv where SGLang is installed); "
+        "'' = the interpreter running raygym.",
+    )
 
     # ── overrides ──
     extra_config: dict[str, Any] | None = _f(
@@ -625,6 +636,7 @@ class Recipe(_Section):
         _check_range("eps_clip_high", self.eps_clip_high, 0.0, math.inf, low_open=True)
         _check_range("eps_clip_c", self.eps_clip_c, 1.0, math.inf, low_open=True)
         _check_range("tis_clip", self.tis_clip, 0.0, math.inf, low_open=True)
+        _check_range("update_weight_probe_tolerance", self.update_weight_probe_tolerance, 0.0, math.inf, low_open=True)
         for field in ("kl_loss_coef", "kl_coef", "entropy_coef", "clip_grad", "rollout_temperature"):
             _check_range(field, getattr(self, field), 0.0, math.inf)
         for field in ("rollout_top_p", "eval_top_p"):
@@ -705,6 +717,9 @@ class Recipe(_Section):
                 "update_weight_transport='ipc' needs colocate=True (handles only work on the same GPU); "
                 "use --update-weight-transport nccl or pass --colocate"
             )
+        if self.rollout_engine != "auto":
+            check_weight_sync(self.rollout_engine, mode=self.update_weight_mode,
+                              transport=self.update_weight_transport, colocate=self.colocate)
         if self.advantage_estimator == "ppo" and not self.use_critic:
             raise ConfigError(
                 "advantage_estimator='ppo' needs use_critic=True (PPO learns a value function); pass --use-critic"

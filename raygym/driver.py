@@ -442,11 +442,12 @@ def train(cfg: Any) -> TrainResult:
     import ray
 
     from raygym.builtin import resolve_model_path
-    from raygym.graph import build_graph, last_complete_checkpoint, raise_actor_death
+    from raygym.graph import build_graph, last_complete_checkpoint, preflight_engine, raise_actor_death
 
     console = _console()
     recipe = cfg.recipe
     apply_substep_timing({}, recipe.substep_timing)  # a bad value fails before any resource is taken
+    preflight_engine(recipe)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model_path(cfg.model.hf_checkpoint, run_dir / "cache", seed=0)

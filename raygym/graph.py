@@ -8,6 +8,7 @@ server processes terminated by their engine actors.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,29 @@ def choose_rollout_engine(name: str) -> str:
     return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "raygym"
 
 
+def preflight_engine(recipe: Any) -> str:
+    """Resolve the engine kind and check, before any Ray resource is taken, that it can run here and
+    receive the configured weight sync; returns the kind. ConfigError names what to change."""
+    import subprocess
+    import sys
+
+    from raygym.rollout.capabilities import check_weight_sync
+
+    kind = choose_rollout_engine(recipe.rollout_engine)
+    check_weight_sync(kind, mode=recipe.update_weight_mode, transport=recipe.update_weight_transport,
+                      colocate=recipe.colocate)
+    if kind == "sglang":
+        python = recipe.rollout_engine_python or sys.executable
+        probe = subprocess.run([python, "-c", "import sglang"], capture_output=True, text=True, timeout=600,
+                               stdin=subprocess.DEVNULL)
+        if probe.returncode != 0:
+            raise ConfigError(
+                f"rollout_engine='sglang': {python} cannot import sglang; install raygym[sglang] for that "
+                "interpreter (on a CPU: bash scripts/install_sglang_cpu.sh) or set --rollout-engine-python "
+                "to the interpreter that has it")
+    return kind
+
+
 @dataclass
 class RunGraph:
     """Handles of every actor of a run; ``shutdown()`` ends them all (idempotent)."""
@@ -48,6 +72,7 @@ class RunGraph:
     synced_engines: list[int] = field(default_factory=list)  # engine indexes the weight sync covers
     trainer_info: list[dict[str, Any]] = field(default_factory=list)  # what each trainer rank's init() returned
     critics: Any = None  # ActorGroup of TrainerActor(role="critic") when use_critic, else None
+    engine_dtype: str | None = None  # the checkpoint's floating dtype (what SGLang serves)
 
     @property
     def single_pass_log_probs(self) -> bool:
@@ -68,10 +93,15 @@ class RunGraph:
         if self.weight_sync is not None:
             self.weight_sync.shutdown()  # the trainer leaves the old group; live engines destroy theirs
             self.weight_sync = None
+        from raygym.rollout.capabilities import weight_update_session
+
         self.engine_urls = ray.get([h.url.remote() for h in self.engines.handles])
-        engine_kind = choose_rollout_engine(self.recipe.rollout_engine)
-        overrides: dict[str, Any] = {"group_protocol": "raygym"} if engine_kind == "raygym" else {}
+        info = ray.get(self.engines.handles[engine_indexes[0]].engine_info.remote())
+        overrides: dict[str, Any] = {}
+        if info["kind"] == "sglang":  # send what the engine holds: the checkpoint's dtype, not fp32 masters
+            overrides["cast_dtype"] = self.engine_dtype
         sync = WeightSync(self.recipe, self.trainers.handles, [self.engine_urls[i] for i in engine_indexes],
+                          engine_kind=info["kind"], session=weight_update_session(info["kind"], info["version"]),
                           spec_overrides=overrides)
         sync.setup()
         self.weight_sync, self.synced_engines = sync, list(engine_indexes)
@@ -114,14 +144,15 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
 
     from raygym.actor_group import call_all, start_engine_group, start_trainer_group
     from raygym.placement import allocate_for_recipe
+    from raygym.rollout.auth import ENGINE_API_KEY_ENV, new_engine_api_key
     from raygym.rollout.engine import EngineActor
     from raygym.rollout.manager import RolloutManager
     from raygym.trainer.actor import TrainerActor
-    from raygym.weightsync.payload import LOADER
 
     recipe = cfg.recipe
     engine_kind = choose_rollout_engine(recipe.rollout_engine)
-    graph = RunGraph(None, None, None, [], None, None, recipe=recipe)
+    api_key = os.environ.setdefault(ENGINE_API_KEY_ENV, new_engine_api_key())  # this run's engines require it
+    graph = RunGraph(None, None, None, [], None, None, recipe=recipe, engine_dtype=checkpoint_dtype(model_path))
     try:
         say(f"placement: {recipe.gpu_allocation().total_gpus} GPU bundles ...")
         graph.placement = allocate_for_recipe(recipe).ensure_ready()
@@ -129,6 +160,7 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
             graph.placement, TrainerActor, args=(cfg,),
             environment=recipe.environment, train_env_vars=recipe.train_env_vars,
         )
+        ray.get([h.use_engine_api_key.remote(api_key) for h in graph.trainers.handles])
         init_refs = [h.init.remote() for h in graph.trainers.handles]
         critic_refs: list[Any] = []
         if recipe.use_critic:  # PPO's value model: its own ranks, process group and checkpoints
@@ -145,10 +177,11 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
                 "backend": engine_kind,
                 "log_dir": str(run_dir / "logs"),
                 "startup_timeout": ENGINE_START_TIMEOUT_S,
-                "extra_server_args": ["--custom-weight-loader", LOADER] if engine_kind == "raygym" else [],
+                "extra_server_args": [],
             },
             environment=recipe.environment,
         )
+        ray.get([h.use_engine_api_key.remote(api_key) for h in graph.engines.handles])
         url_refs = [h.start.remote() for h in graph.engines.handles]
         critics = f", {len(graph.critics)} critic(s)" if graph.critics else ""
         say(f"starting {len(graph.trainers)} trainer(s){critics} and {len(graph.engines)} {engine_kind} engine(s) ...")
@@ -159,6 +192,7 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
         graph.manager = manager_cls.options(num_cpus=0, max_concurrency=64).remote(
             cfg, graph.engines.handles, model_path, data_cache_dir=str(run_dir / "cache")
         )
+        ray.get(graph.manager.use_engine_api_key.remote(api_key))
         graph.make_weight_sync(list(range(len(graph.engines))))
         call_all(graph.trainers, "get_rank")  # surfaces an init failure now, with its traceback
         if graph.critics is not None:
@@ -167,6 +201,18 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
     except BaseException:
         graph.shutdown()
         raise
+
+
+def checkpoint_dtype(model_path: str) -> str | None:
+    """The floating dtype a HF checkpoint declares in its ``config.json`` (None when it declares none)."""
+    import json
+
+    path = Path(model_path) / "config.json"
+    if not path.exists():
+        return None
+    config = json.loads(path.read_text())
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return dtype if dtype in ("bfloat16", "float16", "float32") else None
 
 
 def describe_actor_death(exc: BaseException, graph: RunGraph | None) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from raygym.errors import RaygymError
+from raygym.rollout.auth import auth_headers
 
 
 class EngineHTTPError(RaygymError):
@@ -43,7 +44,8 @@ class EngineClient:
     """Async client for one engine URL (``http://host:port``).
 
     ``timeout`` bounds every request (seconds); generation calls may pass a longer one.
-    Use it as an async context manager, or call :meth:`aclose`.
+    Use it as an async context manager, or call :meth:`aclose`. Every request carries the run's engine
+    API key (``raygym.rollout.auth``) when this process has one.
     """
 
     def __init__(self, base_url: str, timeout: float = 600.0, max_connections: int = 512) -> None:
@@ -72,6 +74,7 @@ class EngineClient:
                 timeout=aiohttp.ClientTimeout(total=self.timeout, connect=min(self.timeout, 10.0)),
                 connector=aiohttp.TCPConnector(limit=self.max_connections),
                 trust_env=False,  # never route engine traffic through a proxy from the environment
+                headers=auth_headers(),
             )
             self._loop = loop
         return self._session
@@ -142,7 +145,8 @@ class EngineClient:
         return True
 
     async def get_model_info(self) -> dict[str, Any]:
-        return await self._json("GET", "/get_model_info")
+        """``/model_info`` (SGLang's current name; ``/get_model_info`` is deprecated there)."""
+        return await self._json("GET", "/model_info")
 
     async def stats(self) -> dict[str, Any]:
         """raygym extension ``/raygym/stats`` (batching counters); raygym's server only."""
@@ -239,6 +243,24 @@ class EngineClient:
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
         return await self._json("POST", "/update_weights_from_distributed", payload)
+
+    async def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str], *, load_format: str | None = None,
+        weight_version: str | int | None = None, flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        """One base64 pickle of ``[(name, tensor)]`` per TP rank (see :mod:`raygym.weightsync.tensor_pickle`)."""
+        payload: dict[str, Any] = {"serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+                                   "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        return await self._json("POST", "/update_weights_from_tensor", payload)
+
+    async def begin_weight_update(self) -> dict[str, Any]:
+        """Open a weight-update session (SGLang >= 0.5.23 refuses updates outside one)."""
+        return await self._json("POST", "/begin_weight_update", {})
+
+    async def end_weight_update(self) -> dict[str, Any]:
+        return await self._json("POST", "/end_weight_update", {})
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
         return await self._json("POST", "/destroy_weights_update_group", {"group_name": group_name})

@@ -5,7 +5,8 @@ A plain class; the driver wraps it with ``ray.remote`` (threaded, so that concur
 synchronous and typed; HTTP goes through one pooled :class:`EngineClient` on a private event
 loop thread.
 
->>> actor = EngineActor({"seed": 1}, engine_index=0, model_path="builtin:tiny-qwen3",
+>>> from raygym.presets import tiny
+>>> actor = EngineActor(tiny(), engine_index=0, model_path="builtin:tiny-qwen3",
 ...                     gpu_ids=[], host="127.0.0.1", backend="raygym")
 >>> url = actor.start()                                  # doctest: +SKIP
 >>> actor.generate({"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})  # doctest: +SKIP
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import importlib.util
+import hashlib
 import os
 import signal
 import socket
@@ -29,14 +30,16 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from raygym.config import Recipe
 from raygym.errors import ConfigError, RaygymError
+from raygym.rollout.auth import ENGINE_API_KEY_ENV, engine_api_key
 from raygym.rollout.client import EngineClient, EngineConnectionError
 from raygym.rollout.sglang_args import (
     DELTA_LOADER,
     build_raygym_server_argv,
     build_sglang_argv,
+    raygym_max_running_requests,
     render_sglang_config,
-    setting,
 )
 
 T = TypeVar("T")
@@ -69,29 +72,12 @@ class _LoopThread:
             self.loop.close()
 
 
-def raygym_max_running_requests(settings: Any) -> int:
-    """Rows the built-in server decodes together: ``sglang_max_running_requests`` when set, else a whole
-    step's samples (``rollout_batch_size * n_samples_per_prompt``, at least 64, at most 512): the manager
-    sends a step in one batched request per engine, and two half batches cost more than one full one.
-
-    >>> raygym_max_running_requests({"rollout_batch_size": 16, "n_samples_per_prompt": 8})
-    128
-    >>> raygym_max_running_requests({"sglang_max_running_requests": 32, "rollout_batch_size": 16})
-    32
-    """
-    explicit = setting(settings, "sglang_max_running_requests")
-    if explicit is not None:
-        return int(explicit)
-    step = int(setting(settings, "rollout_batch_size", 16)) * int(setting(settings, "n_samples_per_prompt", 1))
-    return max(64, min(512, step))
-
-
 class EngineActor:
     """Launches, watches, restarts and ends one server process; talks to it over HTTP.
 
     Args:
-        settings: recipe-like object (or dict) with the spec's field names: ``sglang_*``,
-            ``rollout_num_gpus_per_engine``, ``seed``, ``update_weight_timeout``.
+        settings: the run's ``Recipe`` (``sglang_*``, ``rollout_num_gpus_per_engine``, ``seed``,
+            ``update_weight_timeout``, ``rollout_engine_python``).
         engine_index: which engine this is (names logs and errors).
         model_path: HF checkpoint the server loads (``builtin:tiny-qwen3`` works for raygym).
         gpu_ids: physical GPU ids of this engine's bundle (``CUDA_VISIBLE_DEVICES`` of the
@@ -105,7 +91,7 @@ class EngineActor:
 
     def __init__(
         self,
-        settings: Any,
+        settings: Recipe,
         engine_index: int,
         model_path: str,
         gpu_ids: list[int],
@@ -133,6 +119,9 @@ class EngineActor:
         self.device = device
         self.extra_server_args = list(extra_server_args or [])
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"raygym-engine{engine_index}-"))
+        self.python = settings.rollout_engine_python or sys.executable
+        self._secrets_dir: str | None = None  # private dir of the SGLang config file holding the API key
+        self._sglang_version: str | None = None
         self.weight_version: int = 0
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
@@ -159,7 +148,31 @@ class EngineActor:
                     f"engine {self.engine_index} ({self.backend}) failed to start: {exc}\n"
                     f"--- last lines of {self._log_path()} ---\n{tail}"
                 ) from exc
+            finally:
+                self._forget_secrets()  # SGLang read its config file at start-up
             return self.url()
+
+    def engine_info(self) -> dict[str, Any]:
+        """``{"kind", "version", "device", "tp_size"}``: what the weight sync needs to know of this engine
+        (``version`` is SGLang's release, None for raygym's server)."""
+        return {"kind": self.backend, "version": self.sglang_version() if self.backend == "sglang" else None,
+                "device": self._device_kind(), "tp_size": self.settings.rollout_num_gpus_per_engine}
+
+    def sglang_version(self) -> str:
+        """The SGLang release installed for :attr:`python` (asked once)."""
+        if self._sglang_version is None:
+            probe = subprocess.run(
+                [self.python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
+                capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+            )
+            if probe.returncode != 0:
+                raise ConfigError(
+                    f"rollout_engine='sglang': {self.python} cannot find the sglang package "
+                    f"({probe.stderr.strip().splitlines()[-1:] or ['no output']}); install raygym[sglang] there "
+                    "or point --rollout-engine-python at the interpreter that has SGLang"
+                )
+            self._sglang_version = probe.stdout.strip()
+        return self._sglang_version
 
     def restart(self) -> str:
         """End the server (if any) and start a fresh one; the caller re-syncs weights."""
@@ -208,6 +221,13 @@ class EngineActor:
             return False
         return self._run(self._get_client().health_generate(timeout=timeout), timeout + 5)
 
+    def use_engine_api_key(self, key: str) -> None:
+        """The run's engine API key: the server requires it, this actor's client sends it (see
+        :mod:`raygym.rollout.auth`). Call before :meth:`start`."""
+        from raygym.rollout.auth import use_engine_api_key
+
+        use_engine_api_key(key)
+
     def set_weight_version(self, version: int) -> None:
         """Record the policy version the server now holds (called by the weight-sync code)."""
         self.weight_version = int(version)
@@ -249,41 +269,59 @@ class EngineActor:
     def _log_path(self) -> Path:
         return self.log_dir / f"server-{self.engine_index}.log"
 
+    def _device_kind(self) -> str:
+        """``cuda`` when this engine has GPUs and CUDA is present, else ``cpu``."""
+        if self.device != "auto":
+            return "cpu" if self.device == "cpu" else "cuda"
+        import torch
+
+        return "cuda" if self.gpu_ids and torch.cuda.is_available() else "cpu"
+
     def _argv(self, port: int) -> list[str]:
         if self.backend == "sglang":
             config_path = None
-            text = render_sglang_config(self.settings)
+            text = render_sglang_config(self.settings, engine_api_key())
             if text is not None:
-                config_path = str(self.log_dir / "sglang_config.yaml")
-                Path(config_path).write_text(text)
+                self._secrets_dir = tempfile.mkdtemp(prefix="raygym-sglang-")  # mode 0700
+                config_path = os.path.join(self._secrets_dir, "sglang_config.yaml")
+                fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
             return build_sglang_argv(
                 self.settings,
                 model_path=self.model_path,
                 host=self.host,
                 port=port,
-                python=sys.executable,
+                python=self.python,
+                sglang_version=self.sglang_version(),
+                device=self._device_kind(),
                 config_path=config_path,
                 nccl_port=free_port(self.host),
                 weight_version=self.weight_version,
                 extra_args=self.extra_server_args,
             )
-        loaders = [DELTA_LOADER] if _module_exists(DELTA_LOADER.rsplit(".", 1)[0]) else []
         return build_raygym_server_argv(
             model_path=self.model_path,
             host=self.host,
             port=port,
-            python=sys.executable,
+            python=self.python,
             device=self.device,
             max_running_requests=raygym_max_running_requests(self.settings),
-            custom_weight_loaders=loaders,
+            custom_weight_loaders=[DELTA_LOADER],
             weight_version=self.weight_version,
-            seed=setting(self.settings, "seed"),
-            extra_args=[
-                "--weight-update-timeout",
-                str(setting(self.settings, "update_weight_timeout", 600.0)),
-                *self.extra_server_args,
-            ],
+            seed=self.settings.seed,
+            extra_args=["--weight-update-timeout", str(self.settings.update_weight_timeout),
+                        *(["--weight-source", self.settings.update_weight_disk_dir]
+                          if self.settings.update_weight_disk_dir else []),
+                        *self.extra_server_args],
         )
+
+    def _forget_secrets(self) -> None:
+        if self._secrets_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._secrets_dir, ignore_errors=True)
+            self._secrets_dir = None
 
     def _launch(self) -> None:
         self._stop_process()
@@ -292,9 +330,15 @@ class EngineActor:
         env = dict(os.environ)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpu_ids)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        # The child must import raygym the way this process does, installed or from a checkout.
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        if self.backend == "sglang" and self._device_kind() == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if self.backend == "sglang":
+            env.pop(ENGINE_API_KEY_ENV, None)  # SGLang takes its key from the config file only
+        # The child imports raygym (its custom weight loader) the way this process does: the checkout or
+        # site-packages directory holding the package is put on its path, through a directory with
+        # nothing else in it when the child runs another interpreter (whose own packages must win).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (raygym_import_root(self.python), env.get("PYTHONPATH", ""))
+                                            if p)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self._log_path(), "ab")  # noqa: SIM115 - lives as long as the process
         self._proc = subprocess.Popen(
@@ -310,6 +354,7 @@ class EngineActor:
             self._client = None
 
     def _stop_process(self) -> None:
+        self._forget_secrets()
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)
@@ -332,11 +377,27 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _module_exists(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
+def raygym_import_root(python: str) -> str:
+    """A directory that makes ``import raygym`` find this raygym: its parent directory when ``python`` is
+    this interpreter, else a private directory holding only a link to the package.
+
+    >>> import os
+    >>> os.path.isdir(os.path.join(raygym_import_root(sys.executable), "raygym"))
+    True
+    """
+    package = Path(__file__).resolve().parents[1]
+    if os.path.realpath(python) == os.path.realpath(sys.executable):
+        return str(package.parent)
+    digest = hashlib.sha1(str(package).encode()).hexdigest()[:10]
+    root = Path(tempfile.gettempdir()) / f"raygym-import-{os.getuid()}-{digest}"
+    root.mkdir(mode=0o700, exist_ok=True)
+    link = root / "raygym"
+    if not link.exists():
+        try:
+            link.symlink_to(package, target_is_directory=True)
+        except FileExistsError:  # another engine made it first
+            pass
+    return str(root)
 
 
 def _shutdown_weak(ref: weakref.ref) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-PAUSE_MODES = ("abort", "in_place", "retract")
+from raygym.rollout.protocol import PAUSE_MODES
 
 
 class EngineUnavailable(RuntimeError):
@@ -66,6 +66,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # accepted (slime always sends false); decoding ignores it
     no_stop_trim: bool = False
     sampling_seed: int | None = None
 
@@ -85,7 +86,7 @@ class SamplingParams:
                 setattr(p, key, _number(key, value))
             elif key in ("top_k", "max_new_tokens", "n", "sampling_seed"):
                 setattr(p, key, _integer(key, value))
-            elif key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            elif key in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"):
                 if not isinstance(value, bool):
                     raise ValueError(f"sampling_params.{key}={value!r}: must be true or false")
                 setattr(p, key, value)
@@ -98,6 +99,8 @@ class SamplingParams:
                         f"sampling_params.stop={value!r}: must be a non-empty string or list of them"
                     )
                 p.stop = list(items)
+            elif key in _IGNORED_KEYS:
+                continue
             elif key in _NEUTRAL_KEYS:
                 if value != _NEUTRAL_KEYS[key]:
                     raise ValueError(
@@ -130,9 +133,12 @@ _NEUTRAL_KEYS: dict[str, Any] = {
     "presence_penalty": 0.0,
     "repetition_penalty": 1.0,
     "min_new_tokens": 0,
-    "spaces_between_special_tokens": True,
+    "logit_bias": {},
+    "stop_regex": [],
 }
-_KNOWN_KEYS = set(SamplingParams.__dataclass_fields__) | set(_NEUTRAL_KEYS)
+# Accepted at any value: they only shape how output is streamed, never what is generated.
+_IGNORED_KEYS = ("stream_interval",)
+_KNOWN_KEYS = set(SamplingParams.__dataclass_fields__) | set(_NEUTRAL_KEYS) | set(_IGNORED_KEYS)
 
 
 def _number(key: str, value: Any) -> float:
@@ -354,6 +360,16 @@ class GenerationEngine:
             with self._cond:
                 self._holds -= 1
                 self._cond.notify_all()
+
+    def score(self, input_ids: list[int]) -> list[float]:
+        """``log_softmax(logits)`` of each token of ``input_ids`` given the ones before it (from the second
+        token on; raw logits, as SGLang's ``input_token_logprobs``). Runs between decode steps."""
+        if len(input_ids) < 2:
+            return []
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        with self.model_lock, torch.inference_mode():
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
 
     def set_released(self, released: bool) -> None:
         with self._cond:

@@ -212,6 +212,12 @@ class RolloutManager:
         await self.pool.close()
         self.rewards.close()
 
+    def use_engine_api_key(self, key: str) -> None:
+        """The run's engine API key, sent with every request (call before the first one)."""
+        from raygym.rollout.auth import use_engine_api_key
+
+        use_engine_api_key(key)
+
     def engines_needing_weights(self) -> list[int]:
         """Engines restarted after a failure that must receive the current weights (then call
         :meth:`mark_engine_synced`)."""

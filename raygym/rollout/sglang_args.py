@@ -1,10 +1,13 @@
 """Command lines for the two inference servers an EngineActor can own (pure: no I/O, no torch).
 
-``settings`` is anything with the recipe's attribute names (a ``Recipe``, a ``TrainConfig``'s
-recipe, a ``SimpleNamespace`` or a plain dict); missing attributes take the spec's defaults.
+SGLang's flags move between releases (``--cuda-graph-bs`` became an ambiguous prefix in 0.5.23, which has
+``--cuda-graph-bs-decode``/``-prefill``; ``--cuda-graph-backend-prefill`` does not exist in 0.5.6), so the
+SGLang command line is built for the version that will run it. CI parses what this module builds with
+SGLang's own argument parser for every version the ``sglang`` extra allows.
 
->>> argv = build_sglang_argv({"rollout_num_gpus_per_engine": 2, "sglang_mem_fraction_static": 0.7},
-...                          model_path="/ckpt", host="127.0.0.1", port=30000, python="python")
+>>> from raygym.config import Recipe
+>>> argv = build_sglang_argv(Recipe(rollout_num_gpus_per_engine=2), model_path="/ckpt", host="127.0.0.1",
+...                          port=30000, python="python", sglang_version="0.5.18")
 >>> argv[:3], argv[argv.index("--tp-size") + 1]
 (['python', '-m', 'sglang.launch_server'], '2')
 """
@@ -15,19 +18,22 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from raygym.config import Recipe
 from raygym.errors import ConfigError
-from raygym.weightsync.payload import LOADER as DELTA_LOADER  # one name for every sender
+from raygym.rollout.capabilities import DIRECT_LOADER, MODEL_LOADER, version_tuple
+
+DELTA_LOADER = DIRECT_LOADER  # raygym's server applies raygym payloads by HF name
+# The SGLang releases the ``sglang`` extra allows: verl's pin, slime's image, the CPU recipe's, the latest.
+SUPPORTED_SGLANG = ("0.5.6", "0.5.15.post1", "0.5.18", "0.5.23")
+_CUDA_GRAPH_SPLIT = (0, 5, 15)  # from here: --cuda-graph-bs-decode / --cuda-graph-backend-prefill
 
 # recipe field -> (SGLang flag, kind); kind "bool" = flag present when true, "list" = nargs.
 _SGLANG_FLAGS: dict[str, tuple[str, str]] = {
-    "sglang_mem_fraction_static": ("--mem-fraction-static", "value"),
     "sglang_dp_size": ("--dp-size", "value"),
     "sglang_ep_size": ("--ep-size", "value"),
     "sglang_enable_dp_attention": ("--enable-dp-attention", "bool"),
     "sglang_enable_dp_lm_head": ("--enable-dp-lm-head", "bool"),
     "sglang_disable_custom_all_reduce": ("--disable-custom-all-reduce", "bool"),
-    "sglang_cuda_graph_bs": ("--cuda-graph-bs", "list"),
-    "sglang_cuda_graph_backend_prefill": ("--cuda-graph-backend-prefill", "value"),
     "sglang_max_running_requests": ("--max-running-requests", "value"),
     "sglang_tool_call_parser": ("--tool-call-parser", "value"),
     "sglang_reasoning_parser": ("--reasoning-parser", "value"),
@@ -42,6 +48,8 @@ _RESERVED_CONFIG_KEYS = {
     "base_gpu_id": "the engine's placement bundle",
     "random_seed": "seed",
     "custom_weight_loader": "raygym's delta loader",
+    "api_key": "the run's engine API key (raygym mints one per run)",
+    "admin_api_key": "the run's engine API key (raygym mints one per run)",
     "mem_fraction_static": "sglang_mem_fraction_static",
     "dp_size": "sglang_dp_size",
     "ep_size": "sglang_ep_size",
@@ -49,6 +57,7 @@ _RESERVED_CONFIG_KEYS = {
     "enable_dp_lm_head": "sglang_enable_dp_lm_head",
     "disable_custom_all_reduce": "sglang_disable_custom_all_reduce",
     "cuda_graph_bs": "sglang_cuda_graph_bs",
+    "cuda_graph_bs_decode": "sglang_cuda_graph_bs",
     "cuda_graph_backend_prefill": "sglang_cuda_graph_backend_prefill",
     "max_running_requests": "sglang_max_running_requests",
     "tool_call_parser": "sglang_tool_call_parser",
@@ -56,24 +65,43 @@ _RESERVED_CONFIG_KEYS = {
 }
 
 
-def setting(settings: Any, name: str, default: Any = None) -> Any:
-    """Read one recipe field from an object or a mapping."""
-    if isinstance(settings, Mapping):
-        value = settings.get(name, default)
-    else:
-        value = getattr(settings, name, default)
-    return default if value is None else value
+def raygym_max_running_requests(recipe: Recipe) -> int:
+    """Rows the built-in server decodes together: ``sglang_max_running_requests`` when set, else a whole
+    step's samples (``rollout_batch_size * n_samples_per_prompt``, at least 64, at most 512): the manager
+    sends a step in one batched request per engine, and two half batches cost more than one full one.
+
+    >>> raygym_max_running_requests(Recipe(rollout_batch_size=16, n_samples_per_prompt=8, global_batch_size=8))
+    128
+    >>> raygym_max_running_requests(Recipe(sglang_max_running_requests=32))
+    32
+    """
+    if recipe.sglang_max_running_requests is not None:
+        return recipe.sglang_max_running_requests
+    return max(64, min(512, recipe.rollout_batch_size * recipe.n_samples_per_prompt))
 
 
-def render_sglang_config(settings: Any) -> str | None:
-    """The ``sglang_config`` dict as the text of SGLang's ``--config`` file, or None when unset.
+def cpu_kv_tokens(recipe: Recipe) -> int:
+    """KV-cache tokens for SGLang on CPU, where its default sizes the cache from host memory: a step's
+    requests at full length, between 4096 and 131072.
+
+    >>> cpu_kv_tokens(Recipe(rollout_max_response_len=64, eval_interval=None))
+    131072
+    """
+    per_request = (recipe.rollout_max_prompt_len or 1024) + max(recipe.rollout_max_response_len,
+                                                                recipe.eval_max_response_len
+                                                                if recipe.eval_interval else 0)
+    return max(4096, min(131072, raygym_max_running_requests(recipe) * per_request))
+
+
+def render_sglang_config(recipe: Recipe, api_key: str | None = None) -> str | None:
+    """The text of SGLang's ``--config`` file: ``sglang_config`` plus the engine API key, or None when
+    there is neither. The key goes here, not on the command line (SGLang reads it from no environment
+    variable); the caller writes the file readable by its owner only.
 
     Written as JSON, which is valid YAML, so no YAML library is needed. Keys raygym sets from
     recipe fields are refused with a ConfigError naming the field to use instead.
     """
-    config = setting(settings, "sglang_config")
-    if not config:
-        return None
+    config: Mapping[str, Any] = recipe.sglang_config or {}
     if not isinstance(config, Mapping):
         raise ConfigError(f"sglang_config={config!r}: must be a dict of SGLang server arguments")
     for key in config:
@@ -84,78 +112,95 @@ def render_sglang_config(settings: Any) -> str | None:
                 f"set {_RESERVED_CONFIG_KEYS[norm]} instead and remove it from sglang_config"
             )
     normalized = {str(k).lstrip("-").replace("_", "-"): v for k, v in config.items()}
+    if api_key:
+        normalized["api-key"] = api_key
+    if not normalized:
+        return None
     return json.dumps(normalized, indent=2, sort_keys=True) + "\n"
 
 
+def _config_sets(recipe: Recipe, name: str) -> bool:
+    return any(str(k).lstrip("-").replace("-", "_") == name for k in (recipe.sglang_config or {}))
+
+
 def build_sglang_argv(
-    settings: Any,
+    recipe: Recipe,
     *,
     model_path: str,
     host: str,
     port: int,
     python: str = "python",
+    sglang_version: str | None = None,
+    device: str = "cuda",
     config_path: str | None = None,
     base_gpu_id: int = 0,
     nccl_port: int | None = None,
     weight_version: str | int | None = None,
-    custom_weight_loaders: Sequence[str] = (DELTA_LOADER,),
+    custom_weight_loaders: Sequence[str] = (MODEL_LOADER,),
     skip_server_warmup: bool = False,
     extra_args: Iterable[str] = (),
 ) -> list[str]:
     """``python -m sglang.launch_server ...`` for one engine from the recipe's sglang_* fields.
 
-    tp = ``rollout_num_gpus_per_engine``; ``config_path`` is where the caller wrote
-    :func:`render_sglang_config` (required when ``sglang_config`` is set).
+    tp = ``rollout_num_gpus_per_engine``; ``sglang_version`` picks the flag spellings (None: the latest);
+    ``device="cpu"`` runs SGLang's CPU backend (``SGLANG_USE_CPU_ENGINE=1`` in its environment) with a
+    KV cache sized by :func:`cpu_kv_tokens`; colocated on GPU the server gets ``--enable-memory-saver``,
+    without which ``/release_memory_occupation`` frees nothing. ``config_path``: where the caller wrote
+    :func:`render_sglang_config` (required when it returns text). The log level is ``warning``: SGLang
+    logs its whole configuration at ``info``, API key included.
     """
     if host == "0.0.0.0":
         raise ConfigError("host='0.0.0.0': engines bind their node IP or 127.0.0.1; pass the node IP")
-    tp = int(setting(settings, "rollout_num_gpus_per_engine", 1))
-    if tp < 1:
-        raise ConfigError(f"rollout_num_gpus_per_engine={tp}: must be >= 1")
-    argv = [
-        python,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        model_path,
-        "--host",
-        host,
-        "--port",
-        str(port),
-    ]
-    argv += ["--tp-size", str(tp), "--base-gpu-id", str(base_gpu_id), "--trust-remote-code"]
-    argv += ["--mem-fraction-static", str(setting(settings, "sglang_mem_fraction_static", 0.75))]
+    version = version_tuple(sglang_version or SUPPORTED_SGLANG[-1])
+    argv = [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port)]
+    argv += ["--tp-size", str(recipe.rollout_num_gpus_per_engine), "--base-gpu-id", str(base_gpu_id),
+             "--trust-remote-code", "--mem-fraction-static", str(recipe.sglang_mem_fraction_static)]
     for name, (flag, kind) in _SGLANG_FLAGS.items():
-        value = setting(settings, name)
-        if name == "sglang_mem_fraction_static" or value is None:
+        value = getattr(recipe, name)
+        if value is None or value is False:
             continue
-        if kind == "bool":
-            if value:
-                argv.append(flag)
-        elif kind == "list":
-            if not isinstance(value, (list, tuple)) or not value:
-                raise ConfigError(f"{name}={value!r}: must be a non-empty list of ints, e.g. [1, 2, 4, 8]")
-            argv += [flag, *(str(int(v)) for v in value)]
-        else:
-            argv += [flag, str(value)]
-    seed = setting(settings, "seed")
-    if seed is not None:
-        argv += ["--random-seed", str(seed)]
+        argv += [flag] if kind == "bool" else [flag, str(value)]
+    argv += _cuda_graph_flags(recipe, version)
+    argv += ["--random-seed", str(recipe.seed)]
+    if device == "cpu":
+        argv += ["--device", "cpu", "--disable-overlap-schedule"]
+        if not _config_sets(recipe, "max_total_tokens"):
+            argv += ["--max-total-tokens", str(cpu_kv_tokens(recipe))]
+    elif recipe.colocate:
+        argv.append("--enable-memory-saver")
+    if not _config_sets(recipe, "log_level"):
+        argv += ["--log-level", "warning"]
     if nccl_port is not None:
         argv += ["--nccl-port", str(nccl_port)]
     if weight_version is not None:
         argv += ["--weight-version", str(weight_version)]
     if custom_weight_loaders:
         argv += ["--custom-weight-loader", *custom_weight_loaders]
-    if setting(settings, "sglang_config"):
-        if not config_path:
-            raise ConfigError(
-                "sglang_config is set: write render_sglang_config() to a file and pass config_path"
-            )
+    if config_path:
         argv += ["--config", config_path]
+    elif recipe.sglang_config:
+        raise ConfigError("sglang_config is set: write render_sglang_config() to a file and pass config_path")
     if skip_server_warmup:
         argv.append("--skip-server-warmup")
     return argv + list(extra_args)
+
+
+def _cuda_graph_flags(recipe: Recipe, version: tuple[int, ...]) -> list[str]:
+    out: list[str] = []
+    if recipe.sglang_cuda_graph_bs is not None:
+        if not recipe.sglang_cuda_graph_bs:
+            raise ConfigError("sglang_cuda_graph_bs=[]: must be a non-empty list of ints, e.g. [1, 2, 4, 8]")
+        flag = "--cuda-graph-bs-decode" if version >= _CUDA_GRAPH_SPLIT else "--cuda-graph-bs"
+        out += [flag, *(str(int(v)) for v in recipe.sglang_cuda_graph_bs)]
+    if recipe.sglang_cuda_graph_backend_prefill is not None:
+        if version < _CUDA_GRAPH_SPLIT:
+            raise ConfigError(
+                f"sglang_cuda_graph_backend_prefill={recipe.sglang_cuda_graph_backend_prefill!r}: SGLang "
+                f"{'.'.join(map(str, version))} has no --cuda-graph-backend-prefill (it arrived by 0.5.15); "
+                "unset it or use a newer SGLang"
+            )
+        out += ["--cuda-graph-backend-prefill", recipe.sglang_cuda_graph_backend_prefill]
+    return out
 
 
 def build_raygym_server_argv(
@@ -172,22 +217,13 @@ def build_raygym_server_argv(
     seed: int | None = None,
     extra_args: Iterable[str] = (),
 ) -> list[str]:
-    """``python -m raygym.rollout.server ...`` (the built-in server, CPU or GPU)."""
+    """``python -m raygym.rollout.server ...`` (the built-in server, CPU or GPU). Its API key comes from
+    the environment (``raygym.rollout.auth.ENGINE_API_KEY_ENV``), never from this command line."""
     if host == "0.0.0.0":
         raise ConfigError("host='0.0.0.0': engines bind their node IP or 127.0.0.1; pass the node IP")
     if max_running_requests < 1:
         raise ConfigError(f"sglang_max_running_requests={max_running_requests}: must be >= 1")
-    argv = [
-        python,
-        "-m",
-        "raygym.rollout.server",
-        "--model-path",
-        model_path,
-        "--host",
-        host,
-        "--port",
-        str(port),
-    ]
+    argv = [python, "-m", "raygym.rollout.server", "--model-path", model_path, "--host", host, "--port", str(port)]
     argv += ["--device", device, "--dtype", dtype, "--max-running-requests", str(max_running_requests)]
     if custom_weight_loaders:
         argv += ["--custom-weight-loader", *custom_weight_loaders]

@@ -122,6 +122,7 @@ class TrainerActor:
         self.backend_name = getattr(recipe, "trainer_backend", "auto") if recipe is not None else "torch"
         self.backend: TrainerBackend | None = None
         self._wsync: Any = None
+        self._offloaded = False
 
     def _recipe_value(self, name: str, default: Any) -> Any:
         recipe = self.settings.recipe
@@ -157,9 +158,11 @@ class TrainerActor:
 
     def offload(self) -> None:
         self.backend.offload()
+        self._offloaded = True
 
     def onload(self) -> None:
         self.backend.onload()
+        self._offloaded = False
 
     def save_checkpoint(
         self, rollout_id: int, extra: dict[str, Any] | None = None, save_dir: str | None = None
@@ -245,6 +248,30 @@ class TrainerActor:
 
     def reconnect_weight_sync(self) -> dict[str, Any]:
         return self._wsync.reconnect()
+
+    def use_engine_api_key(self, key: str) -> None:
+        """The run's engine API key, for the weight-sync requests this rank sends."""
+        from raygym.rollout.auth import use_engine_api_key
+
+        use_engine_api_key(key)
+
+    def probe_log_probs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        """Log-probs of ``responses`` after ``prompts`` under the current weights, as for training (every
+        rank takes part; each returns all of them). Weight sync compares them with an engine's."""
+        from raygym.trainer.batch import TrainBatch
+        from raygym.types import Sample
+
+        samples = [Sample(prompt="", prompt_tokens=list(p), group_index=i, response_tokens=list(r))
+                   for i, (p, r) in enumerate(zip(prompts, responses, strict=True))]
+        offloaded = self._offloaded
+        if offloaded:
+            self.onload()
+        try:
+            result = self.backend.compute_log_probs(TrainBatch.from_samples(samples, group_size=1))
+        finally:
+            if offloaded:
+                self.offload()
+        return [lp.float().tolist() for lp in result["log_probs"]]
 
     def close_weight_sync(self) -> None:
         if getattr(self, "_wsync", None) is not None:

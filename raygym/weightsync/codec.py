@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import struct
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -225,6 +226,31 @@ def apply_delta(payload: Buffer, target: torch.Tensor) -> torch.Tensor:
 
     Idempotent. ``target`` must be contiguous, with the dtype and element count of the encoded tensor.
     """
+    positions, values = decode_delta(payload, target)
+    if positions.numel():
+        int_view(target)[positions.to(target.device)] = values.to(target.device)
+    return target
+
+
+def apply_delta_undoable(payload: Buffer, target: torch.Tensor) -> Callable[[], None]:
+    """:func:`apply_delta`, returning a function that puts back the elements it overwrote."""
+    positions, values = decode_delta(payload, target)
+    if not positions.numel():
+        return lambda: None
+    view = int_view(target)
+    where = positions.to(target.device)
+    old = view[where].clone()
+    view[where] = values.to(target.device)
+
+    def undo() -> None:
+        view[where] = old
+
+    return undo
+
+
+def decode_delta(payload: Buffer, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions as int64, raw values as the integer view of ``target``'s width) of a delta payload
+    meant for ``target``; raises ValueError when the payload does not fit it."""
     header = read_header(payload)
     enc, dtype, pos_width, numel, count, n_large = header
     if target.dtype != dtype or target.numel() != numel:
@@ -233,15 +259,15 @@ def apply_delta(payload: Buffer, target: torch.Tensor) -> torch.Tensor:
         )
     if not target.is_contiguous():
         raise ValueError("apply_delta needs a contiguous target tensor")
+    width = target.element_size()
     if count == 0:
-        return target
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=_INT_VIEW[width])
     raw = as_uint8(payload)
     body = raw[_HEADER.size :]
     if enc == "deltas_zstd":
         import zstandard
 
         body = as_uint8(zstandard.ZstdDecompressor().decompress(body.numpy().tobytes()))
-    width = target.element_size()
     if enc == "indices":
         pos_dt = torch.int32 if pos_width == 4 else torch.int64
         positions, rest = _take(body, count, pos_dt)
@@ -254,9 +280,9 @@ def apply_delta(payload: Buffer, target: torch.Tensor) -> torch.Tensor:
             gaps[gaps == _ESCAPE] = large
         positions = torch.cumsum(gaps, 0) - 1
     values, _ = _take(rest, count, _INT_VIEW[width])
-    view = int_view(target)
-    view[positions.to(target.device)] = values.to(target.device)
-    return target
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= numel):
+        raise ValueError(f"delta payload has positions outside the tensor's {numel} elements")
+    return positions, values
 
 
 def read_header(payload: Buffer) -> tuple[str, torch.dtype, int, int, int, int]:

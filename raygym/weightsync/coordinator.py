@@ -2,18 +2,25 @@
 
 1. pause generation on every engine (``update_weight_pause_mode``: "abort" or "in_place");
 2. flush the KV cache (retried with a bound; in-flight requests aborted first if it keeps failing);
-3. the trainers push ``version`` (rank 0 sends; full or delta, see :mod:`raygym.weightsync.sender`);
-4. every engine's checksums for ``version`` are compared with the sender's (``/raygym/weights_checksum``);
+3. [SGLang >= 0.5.23] open a weight-update session (``/begin_weight_update``);
+4. the trainers push ``version`` (rank 0 sends; full or delta, see :mod:`raygym.weightsync.sender`);
+5. verify, as the engine kind declares (:mod:`raygym.rollout.capabilities`): ``checksum`` compares every
+   engine's per-tensor checksums with the sender's (``/raygym/weights_checksum``); ``probe`` checks the
+   weight version each engine reports (``/model_info``) and, once generation continues, that the
+   engine's log-probs of a seeded probe match the trainer's forward pass (:mod:`raygym.weightsync.probe`);
    a mismatch or a failed load triggers one automatic full resync, counted in ``sync/full_resyncs``;
-5. the sender's delta snapshot advances (only now: every engine verified);
-6. generation continues.
+6. the sender's delta snapshot advances (only now: every engine verified); the session closes;
+7. generation continues.
+
+Metrics say what was checked: ``sync/verified_tensors`` (exact checksums compared), ``sync/probe_tokens``,
+``sync/probe_logprob_diff_mean`` and ``_max`` (probe), ``sync/verified_versions`` (labels read back).
 
 >>> sync = WeightSync(recipe, trainers=[rank0, rank1], engines=["http://10.0.0.5:30000"])  # doctest: +SKIP
 >>> sync.setup(); metrics = sync.push(version=1); sync.shutdown()                         # doctest: +SKIP
 
 ``trainers`` are TrainerActor handles (rank 0 first) with ``init_weight_sync(spec)``,
-``push_weights(version, force_full)``, ``commit_weights(version)`` and ``discard_weights()``; plain
-objects with those methods (same process) work too.
+``push_weights(version, force_full)``, ``commit_weights(version)``, ``discard_weights()`` and, for the
+probe, ``probe_log_probs(prompts, responses)``; plain objects with those methods (same process) work too.
 """
 
 from __future__ import annotations
@@ -22,8 +29,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from raygym.config import Recipe
 from raygym.errors import WeightSyncError
+from raygym.rollout.capabilities import capabilities
 from raygym.weightsync.engine_link import EngineLink, as_link, checked
+from raygym.weightsync.probe import EngineProbe, ProbeSpec, compare_logprobs
 from raygym.weightsync.sender import SenderSpec
 
 FLUSH_RETRIES = 20
@@ -53,15 +63,24 @@ def _invoke_all(targets: Sequence[Any], method: str, *args: Any, timeout: float)
 class WeightSync:
     """Driver-side weight sync: versioned, verified, with automatic full resync."""
 
-    def __init__(self, recipe: Any, trainers: Sequence[Any], engines: Sequence[str | EngineLink], *,
+    def __init__(self, recipe: Recipe, trainers: Sequence[Any], engines: Sequence[str | EngineLink], *,
+                 engine_kind: str = "raygym", session: bool = False,
                  spec_overrides: dict[str, Any] | None = None):
+        """``engine_kind``: what the engines are (decides format and verification); ``session``: wrap every
+        update in ``/begin_weight_update`` ... ``/end_weight_update`` (stock SGLang from 0.5.23)."""
         self.trainers = list(trainers)
         if not self.trainers:
             raise ValueError("WeightSync needs at least one trainer (rank 0 first)")
         self.links = [as_link(e, i) for i, e in enumerate(engines)]
-        self.spec = SenderSpec.from_recipe(recipe, list(self.links), **(spec_overrides or {}))
-        self.full_interval = int(getattr(recipe, "update_weight_full_interval", 0) or 0)
-        self.pause_mode = getattr(recipe, "update_weight_pause_mode", "abort") or "abort"
+        self.spec = SenderSpec.from_recipe(recipe, list(self.links), engine_kind=engine_kind,
+                                           **(spec_overrides or {}))
+        self.verification = capabilities(engine_kind).verification
+        self.session = session
+        self.probe = ProbeSpec()
+        self.probe_tolerance = recipe.update_weight_probe_tolerance
+        self.temperature = recipe.rollout_temperature
+        self.full_interval = recipe.update_weight_full_interval
+        self.pause_mode = recipe.update_weight_pause_mode
         self.timeout_s = self.spec.timeout_s
         self.version: int | None = None
         self.syncs = 0
@@ -75,21 +94,20 @@ class WeightSync:
     def push(self, version: int) -> dict[str, float]:
         """Make every engine serve ``version``; returns ``sync/*`` metrics (``sync/mode``: 1 delta, 0 full)."""
         start = time.perf_counter()
-        self._pause()
-        try:
-            force = self._force_full or (self.full_interval > 0 and self.syncs % self.full_interval == 0
-                                         and self.syncs > 0)
-            result, error = self._push_and_verify(version, force)
-            resynced = 0.0
+        force = self._force_full or (self.full_interval > 0 and self.syncs % self.full_interval == 0
+                                     and self.syncs > 0)
+        result, error = self._paused_push(version, force)
+        resynced = 0.0
+        if error is None and self.verification == "probe":
+            error = self._probe(version, result["metrics"])
+        if error is not None:
+            self.full_resyncs += 1
+            resynced = 1.0
+            result, error = self._paused_push(version, force_full=True)
+            if error is None and self.verification == "probe":
+                error = self._probe(version, result["metrics"])
             if error is not None:
-                self.full_resyncs += 1
-                resynced = 1.0
-                result, error = self._push_and_verify(version, force_full=True)
-                if error is not None:
-                    raise WeightSyncError(f"version {version}: full resync failed too: {error}")
-            _invoke_all(self.trainers[:1], "commit_weights", version, timeout=self.timeout_s)
-        finally:
-            self._continue()
+                raise WeightSyncError(f"version {version}: full resync failed too: {error}")
         self._force_full = False
         self.syncs += 1
         self.version = version
@@ -97,6 +115,53 @@ class WeightSync:
         metrics.update({"sync/full_resyncs": float(self.full_resyncs), "sync/resynced": resynced,
                         "sync/time_s": time.perf_counter() - start})
         return metrics
+
+    def _paused_push(self, version: int, force_full: bool) -> tuple[dict[str, Any], str | None]:
+        """Pause, push and verify what can be verified while paused, commit, continue."""
+        self._pause()
+        try:
+            if self.session:
+                self._all("begin_weight_update", {})
+            try:
+                result, error = self._push_and_verify(version, force_full)
+            finally:
+                if self.session:
+                    self._all("end_weight_update", {})
+            if error is None:
+                _invoke_all(self.trainers[:1], "commit_weights", version, timeout=self.timeout_s)
+        finally:
+            self._continue()
+        return result, error
+
+    def _probe(self, version: int, metrics: dict[str, float]) -> str | None:
+        """The engines' log-probs of a seeded probe against the trainer's; None when every engine agrees."""
+        request = self.probe.generate_request(self.temperature)
+        answers, problems = [], []
+        for link in self.links:
+            try:
+                answers.append(EngineProbe.from_answer(checked(link, "generate", request, self.timeout_s)))
+            except (WeightSyncError, ValueError, KeyError) as exc:
+                return f"{link.name}: probe generation failed: {exc}"
+        prompts = [list(p) for p in self.probe.prompts]
+        worst = None
+        for link, answer in zip(self.links, answers, strict=True):
+            trainer = _invoke_all(self.trainers, "probe_log_probs", prompts, answer.responses,
+                                  timeout=self.timeout_s)[0]
+            result = compare_logprobs(answer.logprobs, trainer, self.probe_tolerance)
+            if worst is None or result.mean_abs_diff > worst.mean_abs_diff:
+                worst = result
+            if not result.ok:
+                problems.append(f"{link.name}: probe log-probs differ from the trainer's by {result.mean_abs_diff:.4f} "
+                                f"on average (max {result.max_abs_diff:.4f}; update_weight_probe_tolerance="
+                                f"{self.probe_tolerance}) at version {version}")
+        assert worst is not None
+        metrics.update({"sync/probe_tokens": float(worst.tokens), "sync/probe_logprob_diff_mean": worst.mean_abs_diff,
+                        "sync/probe_logprob_diff_max": worst.max_abs_diff})
+        return "; ".join(problems) or None
+
+    def _all(self, endpoint: str, payload: dict[str, Any]) -> None:
+        for link in self.links:
+            checked(link, endpoint, payload, self.timeout_s)
 
     def resync_engine(self, index: int) -> dict[str, float]:
         """Engine ``index`` was restarted: re-form the group and push the current version in full."""
@@ -108,6 +173,8 @@ class WeightSync:
 
     def verify(self, version: int, expected: dict[str, str]) -> list[str]:
         """Engines whose weight version or checksums differ from ``expected`` (descriptions)."""
+        if self.verification == "probe":
+            return self.verify_versions(version)
         bad = []
         for link in self.links:
             try:
@@ -120,6 +187,19 @@ class WeightSync:
             if str(answer.get("weight_version")) != str(version) or wrong:
                 bad.append(f"{link.name}: weight_version {answer.get('weight_version')!r} (want {version}), "
                            f"{len(wrong)} tensor(s) differ {wrong[:3]}")
+        return bad
+
+    def verify_versions(self, version: int) -> list[str]:
+        """Engines whose ``/model_info`` reports another weight version than ``version``."""
+        bad = []
+        for link in self.links:
+            try:
+                info = checked(link, "model_info", {}, self.timeout_s, method="GET")
+            except WeightSyncError as exc:
+                bad.append(str(exc))
+                continue
+            if str(info.get("weight_version")) != str(version):
+                bad.append(f"{link.name}: reports weight_version {info.get('weight_version')!r}, want {version}")
         return bad
 
     def shutdown(self) -> None:
@@ -144,6 +224,9 @@ class WeightSync:
         if bad:
             _invoke(self.trainers[0], "discard_weights", timeout=self.timeout_s)
             return result, "; ".join(bad)
+        checked_key = "sync/verified_versions" if self.verification == "probe" else "sync/verified_tensors"
+        result["metrics"][checked_key] = float(len(self.links) if self.verification == "probe"
+                                               else len(result["checksums"]) * len(self.links))
         return result, None
 
     def _pause(self) -> None:

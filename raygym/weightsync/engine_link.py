@@ -19,22 +19,26 @@ class EngineLink(Protocol):
 
     name: str
 
-    def call(self, endpoint: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """POST ``payload`` to ``endpoint`` (e.g. ``"update_weights_from_disk"``); return the JSON answer."""
+    def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
+        """Send ``payload`` to ``endpoint`` (e.g. ``"update_weights_from_disk"``); return the JSON answer
+        (``method="GET"`` for read-only routes such as ``model_info``)."""
         ...
 
 
-def checked(link: EngineLink, endpoint: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """``link.call`` that raises ``WeightSyncError`` naming the engine when the answer is not a success."""
+def checked(link: EngineLink, endpoint: str, payload: dict[str, Any], timeout: float,
+            method: str = "POST") -> Any:
+    """``link.call`` that raises ``WeightSyncError`` naming the engine when the answer is not a success.
+
+    A JSON object answer is returned as is; a list (``generate`` of a batch) too."""
     try:
-        answer = link.call(endpoint, payload, timeout)
+        answer = link.call(endpoint, payload, timeout, method)
     except WeightSyncError:
         raise
     except Exception as exc:  # transport-level failure: connection refused, timeout, dead actor
         raise WeightSyncError(f"engine {link.name}: /{endpoint} failed: {type(exc).__name__}: {exc}") from exc
     if isinstance(answer, dict) and answer.get("success") is False:
         raise WeightSyncError(f"engine {link.name}: /{endpoint} answered failure: {answer.get('message', '')}")
-    return answer if isinstance(answer, dict) else {}
+    return answer if isinstance(answer, (dict, list)) else {}
 
 
 _client: Any = None
@@ -61,14 +65,22 @@ def http_client() -> Any:
 
 
 class HttpEngineLink:
-    """An engine behind SGLang's HTTP API at ``base_url`` (raygym's server or ``sglang.launch_server``)."""
+    """An engine behind SGLang's HTTP API at ``base_url`` (raygym's server or ``sglang.launch_server``).
+
+    Every request carries the run's engine API key (from the environment, see :mod:`raygym.rollout.auth`)."""
 
     def __init__(self, base_url: str, name: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.name = name or self.base_url
 
-    def call(self, endpoint: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-        resp = http_client().post(f"{self.base_url}/{endpoint.lstrip('/')}", json=payload, timeout=timeout)
+    def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
+        from raygym.rollout.auth import auth_headers
+
+        url = f"{self.base_url}/{endpoint.lstrip('/')}"
+        if method == "GET":
+            resp = http_client().get(url, headers=auth_headers(), timeout=timeout)
+        else:
+            resp = http_client().post(url, json=payload, headers=auth_headers(), timeout=timeout)
         if resp.status_code >= 400:
             return {"success": False, "message": f"HTTP {resp.status_code}: {resp.text[:500]}"}
         if not resp.content:
@@ -77,7 +89,7 @@ class HttpEngineLink:
             data = resp.json()
         except ValueError:
             return {"success": True, "message": resp.text[:500]}
-        return data if isinstance(data, dict) else {"success": True, "result": data}
+        return data if isinstance(data, (dict, list)) else {"success": True, "result": data}
 
     def __repr__(self) -> str:
         return f"HttpEngineLink({self.base_url!r})"
@@ -90,7 +102,7 @@ class ActorEngineLink:
         self.actor = actor
         self.name = name
 
-    def call(self, endpoint: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
         import ray
 
         return ray.get(getattr(self.actor, method_name(endpoint)).remote(**payload), timeout=timeout)
@@ -103,7 +115,7 @@ class LocalEngineLink:
         self.target = target
         self.name = name
 
-    def call(self, endpoint: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
         return getattr(self.target, method_name(endpoint))(**payload)
 
 

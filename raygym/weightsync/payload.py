@@ -113,9 +113,9 @@ def encode_tensor(
     return EncodedTensor(name, shape, dtype_name(tensor.dtype), FULL, tensor_bytes(tensor), digest, changed, numel)
 
 
-def packed_size(nbytes: int) -> int:
-    """Bytes an entry of ``nbytes`` occupies in a flat buffer (rounded up to :data:`ALIGN`)."""
-    return nbytes + (-nbytes % ALIGN)
+def packed_size(nbytes: int, align: int = ALIGN) -> int:
+    """Bytes an entry of ``nbytes`` occupies in a flat buffer (rounded up to ``align``)."""
+    return nbytes + (-nbytes % align)
 
 
 def pack_bucket(encoded: Sequence[EncodedTensor], version: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +138,10 @@ class BucketBuffer:
     Holds at most ``max_bytes`` of entries, except a single larger entry, which gets the buffer alone.
     Memory is allocated on demand and kept for the next bucket (fresh pages cost as much as a copy).
 
+    ``align``: entries start on multiples of it. 64 for raygym's own bucket format; 1 (``compact``) for
+    SGLang's ``flattened_bucket``, whose tensors lie back to back: there an entry only joins a bucket
+    whose end is a multiple of its item size, so every tensor can be viewed in place on arrival.
+
     >>> buf = BucketBuffer(max_bytes=1024)
     >>> t = torch.arange(4, dtype=torch.float32)
     >>> _ = buf.reserve(16).view(torch.float32).copy_(t); buf.add("w", (4,), "float32", FULL, 16, "x")
@@ -145,19 +149,23 @@ class BucketBuffer:
     ['w']
     """
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, align: int = ALIGN):
         self.max_bytes = max_bytes
+        self.align = align
         self._buf = torch.empty(0, dtype=torch.uint8)
         self.entries: list[ManifestEntry] = []
         self.offset = 0
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether an entry of ``nbytes`` may join this bucket (always true for an empty bucket)."""
-        return not self.entries or self.offset + packed_size(nbytes) <= self.max_bytes
+    def fits(self, nbytes: int, itemsize: int = 1) -> bool:
+        """Whether an entry of ``nbytes`` (elements of ``itemsize`` bytes) may join this bucket (always
+        true for an empty bucket)."""
+        if not self.entries:
+            return True
+        return self.offset % itemsize == 0 and self.offset + packed_size(nbytes, self.align) <= self.max_bytes
 
     def reserve(self, nbytes: int) -> torch.Tensor:
-        """The uint8 slot of the next entry (64-byte aligned, so dtype views of it work)."""
-        end = self.offset + packed_size(nbytes)
+        """The uint8 slot of the next entry (aligned as the buffer's ``align`` says)."""
+        end = self.offset + packed_size(nbytes, self.align)
         if end > self._buf.numel():
             self._grow(end)
         return self._buf[self.offset : self.offset + nbytes]
@@ -165,7 +173,7 @@ class BucketBuffer:
     def add(self, name: str, shape: tuple[int, ...], dtype: str, encoding: str, nbytes: int, digest: str) -> None:
         """Record the entry just written into the reserved slot."""
         self.entries.append(ManifestEntry(name, list(shape), dtype, encoding, self.offset, nbytes, digest))
-        pad_end = self.offset + packed_size(nbytes)
+        pad_end = self.offset + packed_size(nbytes, self.align)
         self._buf[self.offset + nbytes : pad_end].zero_()
         self.offset = pad_end
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from raygym.weightsync.payload import BucketBuffer
+from raygym.weightsync.payload import ALIGN, BucketBuffer
 
 SendFn = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -29,9 +29,10 @@ SendFn = Callable[[torch.Tensor, torch.Tensor], None]
 class BucketPipeline:
     """``depth`` reusable bucket buffers and one send thread (depth 2 = one bucket in flight)."""
 
-    def __init__(self, max_bytes: int, depth: int = 2):
+    def __init__(self, max_bytes: int, depth: int = 2, align: int = ALIGN):
         self.max_bytes = max_bytes
-        self._free: deque[BucketBuffer] = deque(BucketBuffer(max_bytes) for _ in range(depth))
+        self.align = align
+        self._free: deque[BucketBuffer] = deque(BucketBuffer(max_bytes, align) for _ in range(depth))
         self._inflight: deque[tuple[Future, BucketBuffer]] = deque()
         self._pool: ThreadPoolExecutor | None = None
         self._send: SendFn | None = None
@@ -51,16 +52,17 @@ class BucketPipeline:
         self._current = self._take()
         self._covered = 0
 
-    def reserve(self, nbytes: int, covers: int | None = None) -> torch.Tensor:
+    def reserve(self, nbytes: int, covers: int | None = None, itemsize: int = 1) -> torch.Tensor:
         """A uint8 slot for the next entry; hands the current bucket to the wire when it is full.
 
         ``covers``: the full size of the tensor a (delta) entry stands for. A bucket is also cut after
         ``max_bytes`` of covered weights, so small delta payloads still flow in several buckets and
-        the engines apply and verify them while the next ones are encoded.
+        the engines apply and verify them while the next ones are encoded. ``itemsize``: the entry's
+        element size (a compact bucket only takes an entry at an offset it divides).
         """
         assert self._current is not None, "start() first"
         covers = nbytes if covers is None else covers
-        if not self._current.fits(nbytes) or (self._current.entries and self._covered + covers > self.max_bytes):
+        if not self._current.fits(nbytes, itemsize) or (self._current.entries and self._covered + covers > self.max_bytes):
             self._flush()
         self._covered += covers
         return self._current.reserve(nbytes)

@@ -1,9 +1,16 @@
 """Engine side of weight sync, independent of any web framework: what an inference server does on
 ``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/update_weights_from_disk``,
-``/destroy_weights_update_group`` and ``/raygym/weights_checksum`` for a model it holds.
+``/update_weights_from_tensor``, ``/destroy_weights_update_group``, ``/get_weights_by_name`` and
+``/raygym/weights_checksum`` for a model whose parameters carry HF names.
 
-raygym's server can delegate those endpoints here; tests and benchmarks run it in plain processes or
-Ray actors as a receiver that does not generate (so pause/continue/flush are trivially successful).
+raygym's server delegates those endpoints here (it adds HTTP, ordering and the model lock); tests and
+benchmarks run it in plain processes or Ray actors as a receiver that does not generate (so
+pause/continue/flush are trivially successful). Request bodies are the models of
+:mod:`raygym.rollout.protocol`; answers are SGLang's ``{"success", "message"}``.
+
+Every update is all or nothing (see :mod:`raygym.weightsync.loader`): names, shapes and dtypes are
+checked and tensors staged before anything is written, so a failed update leaves the weights and the
+version label as they were, and says so.
 
 >>> r = WeightReceiver(model)                                   # doctest: +SKIP
 >>> r.update_weights_from_disk(model_path="/shared/v000003", load_format=LOADER, weight_version="3")  # doctest: +SKIP
@@ -11,86 +18,252 @@ Ray actors as a receiver that does not generate (so pause/continue/flush are tri
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from raygym.rollout import protocol
 from raygym.weightsync import loader
 from raygym.weightsync.codec import dtype_from_name
 from raygym.weightsync.payload import LOADER
-from raygym.weightsync.transport_disk import read_version_dir
-from raygym.weightsync.transport_dist import ScratchBuffers, join_group, receive_tensors
+from raygym.weightsync.sources import WeightSources
+from raygym.weightsync.tensor_pickle import loads_named_tensors
+from raygym.weightsync.transport_dist import ScratchBuffers, join_group, receive_flattened, receive_tensors
 
 Loader = Callable[[torch.nn.Module, Iterable[tuple[str, torch.Tensor]]], Any]
+DEFAULT_FORMATS = (None, "", "auto", "safetensors", "default", "direct")
 
 
-def resolve_loader(load_format: str | None, allowed: Iterable[str] = (LOADER,)) -> Loader:
-    """The loader named by ``load_format`` (``pkg.mod:fn`` or ``pkg.mod.fn``); None/"auto" = copy by HF name."""
-    if load_format in (None, "", "auto"):
-        return loader.load_payload
-    if _dotted(load_format) not in {_dotted(a) for a in allowed}:
-        raise ValueError(f"load_format={load_format!r} is not a registered custom weight loader {sorted(allowed)}")
-    module, _, fn = _dotted(load_format).rpartition(".")
-    return getattr(importlib.import_module(module), fn)
+class WeightRequestError(ValueError):
+    """A request this engine refuses before touching anything (answered with HTTP 400)."""
 
 
 def _dotted(path: str) -> str:
     return path.replace(":", ".")
 
 
+def import_loader(path: str) -> Loader:
+    """Import ``pkg.mod:fn`` or ``pkg.mod.fn``."""
+    module, _, attr = _dotted(path).rpartition(".")
+    if not module:
+        raise ValueError(f"custom weight loader {path!r}: expected 'pkg.module:function' or 'pkg.module.function'")
+    return getattr(importlib.import_module(module), attr)
+
+
+def copy_by_name(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """The default loader: copy tensors into the parameters of the same HF name, all or nothing (every
+    name and shape is checked before the first copy); dtypes are cast to the parameter's."""
+    targets = loader.named_targets(model)
+    staged, unknown, mismatched = [], [], []
+    for name, tensor in named_tensors:
+        target = targets.get(name)
+        if target is None:
+            unknown.append(name)
+        elif tuple(target.shape) != tuple(tensor.shape):
+            mismatched.append(f"{name}: got {tuple(tensor.shape)}, model has {tuple(target.shape)}")
+        else:
+            staged.append((target, tensor))
+    if unknown or mismatched:
+        problems = []
+        if unknown:
+            problems.append(f"unknown parameter names {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+        if mismatched:
+            problems.append(f"shape mismatch {mismatched[:5]}")
+        raise WeightRequestError("; ".join(problems) + " (names must be the HF checkpoint's state-dict names); "
+                                 "nothing was loaded")
+    with torch.no_grad():
+        for target, tensor in staged:
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
+
+@dataclass(frozen=True)
+class JoinedGroup:
+    """A weight-update process group this engine joined."""
+
+    pg: Any
+    backend: str
+
+
 class WeightReceiver:
-    """Receives weights into ``model`` (on ``device``) and reports checksums by HF name."""
+    """Receives weights into ``model`` (on ``device``) and reports checksums by HF name.
+
+    ``exclusive``: a context manager factory that holds the model while it is written, ``reading`` one that
+    holds it while it is read (raygym's server passes its generation engine's locks; default: none).
+    ``sources``: where ``model_path`` may point.
+    """
 
     def __init__(self, model: torch.nn.Module, device: str | torch.device = "cpu", weight_version: str = "0",
-                 custom_loaders: Iterable[str] = (LOADER,), timeout_s: float = 600.0):
+                 custom_loaders: Iterable[str] = (LOADER,), timeout_s: float = 600.0, *,
+                 exclusive: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+                 reading: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+                 sources: WeightSources | None = None):
         self.model = model
         self.device = torch.device(device)
-        self.weight_version = weight_version
-        self.custom_loaders = tuple(custom_loaders)
+        self.weight_version = str(weight_version)
+        self.loaders = {_dotted(p): import_loader(p) for p in custom_loaders}
         self.timeout_s = timeout_s
-        self.groups: dict[str, Any] = {}
+        self.exclusive = exclusive or contextlib.nullcontext
+        self.reading = reading or contextlib.nullcontext
+        self.sources = sources or WeightSources()
+        self.groups: dict[str, JoinedGroup] = {}
+        self.session_open = False
         self.last_apply_s = 0.0
-        self._scratch = ScratchBuffers()  # requests are handled one at a time
+        self._scratch = ScratchBuffers()  # requests are handled one at a time per group
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str = "gloo") -> dict[str, Any]:
+    # ----- loaders -----
+    def resolve_loader(self, load_format: str | None) -> Loader:
+        """The loader ``load_format`` names: the default copy by HF name, or one registered at start-up."""
+        if load_format in DEFAULT_FORMATS:
+            return copy_by_name
+        found = self.loaders.get(_dotted(load_format or ""))
+        if found is None:
+            raise WeightRequestError(
+                f"load_format={load_format!r}: not a registered custom weight loader; registered: "
+                f"{sorted(self.loaders) or 'none'} (start the server with --custom-weight-loader {load_format})")
+        return found
+
+    # ----- groups -----
+    def init_weights_update_group(self, **body: Any) -> dict[str, Any]:
+        req = protocol.InitWeightsUpdateGroup.model_validate(body)
+        if req.group_name in self.groups:
+            return _fail(f"group {req.group_name!r} already exists; destroy it first")
+        if req.rank_offset >= req.world_size:
+            return _fail(f"rank_offset={req.rank_offset} is outside world_size={req.world_size}")
+        if req.rank_offset == 0:
+            return _fail("rank_offset=0: rank 0 is the sender, which hosts the rendezvous store; an engine "
+                         "joins at rank_offset >= 1")
+        if req.backend == "nccl" and not torch.cuda.is_available():
+            return _fail("backend='nccl' needs CUDA; use backend='gloo' on CPU")
         try:
-            self.groups[group_name] = join_group(master_address, master_port, rank_offset, world_size, group_name,
-                                                 backend, self.timeout_s)
+            pg = join_group(req.master_address, req.master_port, req.rank_offset, req.world_size,
+                            req.group_name, req.backend, self.timeout_s)
+            self.groups[req.group_name] = JoinedGroup(pg, req.backend)
         except Exception as exc:
-            return {"success": False, "message": f"failed to join {group_name}: {exc}"}
-        return {"success": True, "message": f"joined {group_name} as rank {rank_offset}"}
+            return _fail(f"Failed to init group {req.group_name!r}: {type(exc).__name__}: {exc}")
+        return _ok(f"Succeeded to initialize custom process group {req.group_name!r} "
+                   f"(rank {req.rank_offset} of {req.world_size}).")
 
-    def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
-        found = self.groups.pop(group_name, None) is not None
-        return {"success": found, "message": "destroyed" if found else f"no group {group_name}"}
+    def destroy_weights_update_group(self, **body: Any) -> dict[str, Any]:
+        req = protocol.DestroyWeightsUpdateGroup.model_validate(body)
+        group = self.groups.pop(req.group_name, None)
+        if group is None:
+            return _fail(f"group {req.group_name!r} does not exist")
+        destroy_group(group.pg, req.group_name)
+        return _ok(f"Succeeded to destroy custom process group {req.group_name!r}.")
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str, flush_cache: bool = True, weight_version: str | None = None,
-                                        load_format: str | None = None) -> dict[str, Any]:
-        pg = self.groups.get(group_name)
-        if pg is None:
-            return {"success": False, "message": f"group {group_name} is not initialized"}
+    def close(self) -> None:
+        for name, group in list(self.groups.items()):
+            destroy_group(group.pg, name)
+        self.groups.clear()
+
+    # ----- sessions (SGLang >= 0.5.23 wraps updates in them; raygym accepts them and does not require them) -----
+    def begin_weight_update(self, **body: Any) -> dict[str, Any]:
+        protocol.BeginWeightUpdate.model_validate(body)
+        if self.session_open:
+            return _fail("a weight-update session is already open; call end_weight_update() first")
+        self.session_open = True
+        return _ok("Success")
+
+    def end_weight_update(self, **body: Any) -> dict[str, Any]:
+        if not self.session_open:
+            return _fail("no weight-update session is open; call begin_weight_update() first")
+        self.session_open = False
+        return _ok("Success")
+
+    # ----- updates -----
+    def receive_distributed(self, req: protocol.UpdateWeightsFromDistributed) -> list[tuple[str, torch.Tensor]]:
+        """Receive one request's tensors (the sender is broadcasting them); raises ValueError on a bad request
+        only after draining the broadcast, so the sender never stalls."""
+        group = self.groups.get(req.group_name)
+        if group is None:
+            raise WeightRequestError(f"group_name={req.group_name!r}: no such group; call /init_weights_update_group first")
+        if not len(req.names) == len(req.dtypes) == len(req.shapes):
+            raise WeightRequestError(f"names, dtypes and shapes must have the same length "
+                                     f"({len(req.names)}, {len(req.dtypes)}, {len(req.shapes)})")
         try:
-            specs = [(n, dtype_from_name(d), list(s)) for n, d, s in zip(names, dtypes, shapes, strict=True)]
-            # receive everything first (the sender's broadcasts must all complete), then load
-            received = list(receive_tensors(pg, specs, self.device, self.timeout_s, self._scratch))
-            return self._load(received, load_format, weight_version)
-        except Exception as exc:
-            return {"success": False, "message": f"{type(exc).__name__}: {exc}"}
+            dtypes = [dtype_from_name(d) for d in req.dtypes]
+        except ValueError as exc:
+            raise WeightRequestError(f"dtypes: {exc}") from exc
+        if any(d < 0 for shape in req.shapes for d in shape):
+            raise WeightRequestError(f"shapes={req.shapes!r}: dimensions must be >= 0")
+        specs = list(zip(req.names, dtypes, req.shapes, strict=True))
+        device = self.device if group.backend == "nccl" else torch.device("cpu")
+        if req.load_format == protocol.FLATTENED_BUCKET:
+            return receive_flattened(group.pg, specs, device, self.timeout_s, self._scratch)
+        return list(receive_tensors(group.pg, specs, device, self.timeout_s, self._scratch))
 
-    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 weight_version: str | None = None) -> dict[str, Any]:
+    def update_weights_from_distributed(self, **body: Any) -> dict[str, Any]:
+        req = protocol.UpdateWeightsFromDistributed.model_validate(body)
         try:
-            return self._load(read_version_dir(model_path), load_format, weight_version)
+            fn = copy_by_name if req.load_format == protocol.FLATTENED_BUCKET else self.resolve_loader(req.load_format)
+            received = self.receive_distributed(req)
+        except WeightRequestError as exc:
+            return _fail(f"Failed to update weights: {exc}")
         except Exception as exc:
-            return {"success": False, "message": f"{type(exc).__name__}: {exc}"}
+            return _fail(f"Failed to receive weights: {type(exc).__name__}: {exc}")
+        return self.load(received, fn, req.weight_version)
 
-    def weights_checksum(self, names: list[str] | None = None) -> dict[str, Any]:
-        return {"weight_version": self.weight_version, "checksums": loader.model_checksums(self.model, names)}
+    def update_weights_from_disk(self, **body: Any) -> dict[str, Any]:
+        req = protocol.UpdateWeightsFromDisk.model_validate(body)
+        try:
+            fn = self.resolve_loader(req.load_format)
+            tensors = self.sources.read(req.model_path)
+        except WeightRequestError as exc:
+            return _fail(f"Failed to update weights from {req.model_path}: {exc}", num_paused_requests=0)
+        except ValueError as exc:
+            return _fail(f"Failed to update weights: {exc}", num_paused_requests=0)
+        return self.load(tensors, fn, req.weight_version, source=req.model_path)
+
+    def update_weights_from_tensor(self, **body: Any) -> dict[str, Any]:
+        req = protocol.UpdateWeightsFromTensor.model_validate(body)
+        try:
+            if req.load_format == protocol.FLATTENED_BUCKET:
+                raise WeightRequestError("load_format='flattened_bucket' is not accepted on /update_weights_from_tensor "
+                                         "by raygym's server; send (name, tensor) pairs")
+            fn = self.resolve_loader(req.load_format)
+            if not req.serialized_named_tensors:
+                raise WeightRequestError("serialized_named_tensors is empty: one entry per TP rank is expected")
+            tensors = loads_named_tensors(req.serialized_named_tensors[0])  # this server is TP rank 0 of 1
+        except ValueError as exc:
+            return _fail(f"Failed to update weights: {exc}")
+        return self.load(tensors, fn, req.weight_version)
+
+    def load(self, tensors: Iterable[tuple[str, torch.Tensor]], fn: Loader, weight_version: str | None,
+             source: str | None = None) -> dict[str, Any]:
+        """Apply ``tensors`` with ``fn`` under the model lock; the version label moves only on success."""
+        start = time.perf_counter()
+        try:
+            with self.exclusive(), torch.no_grad():
+                fn(self.model, tensors)
+        except Exception as exc:  # a corrupt shard, a checksum or shape mismatch: nothing was applied
+            where = f" from {source}" if source else ""
+            return _fail(f"Failed to update weights{where}: {type(exc).__name__}: {exc}; the served weights and "
+                         f"weight_version {self.weight_version!r} are unchanged", num_paused_requests=0)
+        self.last_apply_s = time.perf_counter() - start
+        message = "Succeeded to update model weights."
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+            message += f" Weight version updated to {self.weight_version}."
+        return {"success": True, "message": message, "num_paused_requests": 0, "apply_s": self.last_apply_s}
+
+    # ----- reads -----
+    def weights_checksum(self, **body: Any) -> dict[str, Any]:
+        req = protocol.WeightsChecksum.model_validate(body)
+        with self.reading():
+            return {"weight_version": self.weight_version, "checksums": loader.model_checksums(self.model, req.names)}
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first ``truncate_size`` rows of the tensor ``name`` as lists (SGLang's answer)."""
+        targets = loader.named_targets(self.model)
+        if name not in targets:
+            raise WeightRequestError(f"name={name!r}: no parameter of that HF name")
+        with self.reading():
+            return targets[name][:truncate_size].float().cpu().tolist()
 
     # A receiver does not generate: these endpoints exist so a coordinator can drive it like an engine.
     def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
@@ -102,16 +275,30 @@ class WeightReceiver:
     def flush_cache(self) -> dict[str, Any]:
         return {"success": True}
 
-    def abort_request(self, abort_all: bool = True) -> dict[str, Any]:
+    def abort_request(self, abort_all: bool = True, rid: str = "") -> dict[str, Any]:
         return {"success": True}
 
-    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], load_format: str | None,
-              weight_version: str | None) -> dict[str, Any]:
-        fn = resolve_loader(load_format, self.custom_loaders)
-        start = time.perf_counter()
-        with torch.no_grad():
-            fn(self.model, named_tensors)
-        self.last_apply_s = time.perf_counter() - start
-        if weight_version is not None:
-            self.weight_version = str(weight_version)
-        return {"success": True, "message": "ok", "apply_s": self.last_apply_s}
+    def model_info(self) -> dict[str, Any]:
+        return {"weight_version": self.weight_version, "model_path": "", "is_generation": True}
+
+
+def destroy_group(pg: Any, name: str) -> None:
+    """Leave a process group and free its name so a group of the same name can be created again."""
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):  # a peer already gone; nothing left to release
+        dist.destroy_process_group(pg)
+    # destroy_process_group leaves the name in torch's registry for groups outside the default world
+    unregister = getattr(torch._C._distributed_c10d, "_unregister_process_group", None)
+    if unregister is not None:
+        with contextlib.suppress(Exception):
+            unregister(name)
+
+
+def _ok(message: str, **extra: Any) -> dict[str, Any]:
+    return {"success": True, "message": message, **extra}
+
+
+def _fail(message: str, **extra: Any) -> dict[str, Any]:
+    return {"success": False, "message": message, **extra}
+

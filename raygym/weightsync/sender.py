@@ -37,7 +37,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from raygym.config import Recipe
 from raygym.errors import ConfigError, WeightSyncError
+from raygym.rollout.capabilities import capabilities, check_weight_sync
 from raygym.weightsync.buckets import BucketPlanner
 from raygym.weightsync.codec import (
     ENCODINGS,
@@ -52,7 +54,7 @@ from raygym.weightsync.codec import (
     gather_values,
 )
 from raygym.weightsync.engine_link import EngineLink, as_link
-from raygym.weightsync.payload import FULL
+from raygym.weightsync.payload import ALIGN, FULL
 from raygym.weightsync.pipeline import BucketPipeline, Lookahead
 from raygym.weightsync.snapshot import WeightSnapshot
 
@@ -111,7 +113,7 @@ class SenderSpec:
     backend: str | None = None  # default: nccl with CUDA, else gloo
     cast_dtype: str | None = None  # engine dtype (e.g. "bfloat16"): floating tensors are cast before encoding
     keep_disk_versions: bool = False
-    group_protocol: str = "sglang"  # accepted and ignored: every engine joins the SGLang way (kept for callers)
+    engine_kind: str = "raygym"  # what receives: decides the wire format (raygym.rollout.capabilities)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -127,17 +129,32 @@ class SenderSpec:
         if self.transport == "disk" and not self.disk_dir:
             raise ConfigError("update_weight_disk_dir='': required by update_weight_transport='disk'; "
                               "set --update-weight-disk-dir to a directory every engine can read")
+        check_weight_sync(self.engine_kind, mode=self.mode, transport=self.transport, colocate=self.colocate)
 
     @classmethod
-    def from_recipe(cls, recipe: Any, engines: list[Any], **overrides: Any) -> SenderSpec:
-        """Read the update_weight_* fields of a ``Recipe`` (missing fields keep the defaults above)."""
-        fields = {"transport": "update_weight_transport", "mode": "update_weight_mode",
-                  "encoding": "update_weight_encoding", "buffer_size": "update_weight_buffer_size",
-                  "timeout_s": "update_weight_timeout", "disk_dir": "update_weight_disk_dir",
-                  "colocate": "colocate"}
-        kwargs = {k: getattr(recipe, f) for k, f in fields.items() if getattr(recipe, f, None) is not None}
+    def from_recipe(cls, recipe: Recipe, engines: list[Any], **overrides: Any) -> SenderSpec:
+        """The update_weight_* fields of a ``Recipe``; TP size per engine from ``rollout_num_gpus_per_engine``."""
+        kwargs: dict[str, Any] = dict(
+            transport=recipe.update_weight_transport, mode=recipe.update_weight_mode,
+            encoding=recipe.update_weight_encoding, buffer_size=recipe.update_weight_buffer_size,
+            timeout_s=recipe.update_weight_timeout, disk_dir=recipe.update_weight_disk_dir,
+            colocate=recipe.colocate, tp_sizes=[recipe.rollout_num_gpus_per_engine] * len(engines),
+        )
         kwargs.update(overrides)
         return cls(engines=engines, **kwargs)
+
+    @property
+    def hf_tensors(self) -> bool:
+        """Buckets carry bare HF-named full tensors back to back (SGLang's flattened_bucket layout) instead
+        of raygym's manifest + payload buffer: full syncs to engines that load through the model."""
+        return capabilities(self.engine_kind).dist_format == "flattened_bucket" and self.mode == "full"
+
+    @property
+    def disk_route(self) -> str:
+        """How engines load a version directory (see :mod:`raygym.weightsync.transport_disk`)."""
+        if self.engine_kind == "raygym":
+            return "raygym_bucket"
+        return "hf_dir" if self.mode == "full" else "tensor_pointer"
 
 
 def drain(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
@@ -157,7 +174,7 @@ class WeightSender:
         self.transport = self._make_transport()
         self._cast = dtype_from_name(spec.cast_dtype) if spec.cast_dtype else None
         self._pending_version: int | None = None
-        self._pipeline = BucketPipeline(self.bucket_bytes())
+        self._pipeline = BucketPipeline(self.bucket_bytes(), align=1 if spec.hf_tensors else ALIGN)
 
     def bucket_bytes(self) -> int:
         """Bytes per bucket: ``buffer_size``, capped at :data:`GLOO_BUCKET_BYTES` on CPU gloo."""
@@ -248,7 +265,7 @@ class WeightSender:
             pipe.add(item.name, shape, dtype_name(dtype), self.spec.encoding, size, item.digest)
             self.snapshot.stage(item.name, tensor, item.sparse)
             return _Entry(item.digest, item.changed, numel, full_bytes)
-        slot = pipe.reserve(full_bytes)
+        slot = pipe.reserve(full_bytes, itemsize=dtype.itemsize)
         typed = slot.view(torch.uint8 if dtype == torch.bool else dtype)
         flat = tensor.reshape(-1)
         if tensor.dtype == dtype and flat.is_contiguous() and flat.device.type == "cpu":
@@ -286,20 +303,21 @@ class WeightSender:
     def _make_transport(self):
         spec = self.spec
         address = spec.master_address or _node_ip()
+        fmt = "flattened_bucket" if spec.hf_tensors else "raygym_bucket"
         if spec.transport == "disk":
             from raygym.weightsync.transport_disk import DiskTransport
 
             return DiskTransport(self.links, disk_dir=spec.disk_dir, timeout_s=spec.timeout_s,
-                                 keep=spec.keep_disk_versions)
+                                 keep=spec.keep_disk_versions, route=spec.disk_route, tp_sizes=spec.tp_sizes)
         if spec.transport == "ipc" or (spec.colocate and spec.mode == "full"):
             from raygym.weightsync.transport_ipc import make_colocated_transport
 
             return make_colocated_transport(self.links, tp_sizes=spec.tp_sizes, master_address=address,
-                                            timeout_s=spec.timeout_s)
+                                            timeout_s=spec.timeout_s, fmt=fmt)
         from raygym.weightsync.transport_dist import DistTransport
 
         return DistTransport(self.links, master_address=address, tp_sizes=spec.tp_sizes, backend=spec.backend,
-                             timeout_s=spec.timeout_s)
+                             timeout_s=spec.timeout_s, fmt=fmt)
 
     @staticmethod
     def _metrics(stats: dict[str, float], total_s: float, delta: bool) -> dict[str, float]:

@@ -6,11 +6,18 @@ in a fixed order, the group is created with an explicit timeout, and every broad
 answer is awaited with a timeout: an engine that does not join or answer becomes a ``WeightSyncError``
 naming it, never a silent hang.
 
-Per bucket the sender posts ``/update_weights_from_distributed`` with two uint8 tensors (manifest,
-flat buffer) and ``load_format = raygym.weightsync.loader:load_payload``, then broadcasts them.
-The receiver half (:func:`join_group`, :func:`broadcast`, :func:`receive_tensors`) is shared with
-raygym's server, the in-process receiver and tests. Engines answer each bucket's request after
-loading it; the sender awaits those answers one bucket late, so loading overlaps the next bucket.
+Per bucket the sender posts ``/update_weights_from_distributed`` and then broadcasts, in one of two formats:
+
+- ``raygym_bucket`` (raygym's server): two uint8 tensors (manifest, flat buffer) with
+  ``load_format = raygym.weightsync.loader.load_payload``, which applies full or delta entries by HF name;
+- ``flattened_bucket`` (stock SGLang): the bucket's HF-named tensors as ``names``/``dtypes``/``shapes`` and
+  ONE broadcast of their bytes back to back (SGLang's ``FlattenedTensorBucket`` layout), which SGLang hands
+  to the model's own ``load_weights`` (fusing and TP sharding are the model's business).
+
+The receiver half (:func:`join_group`, :func:`broadcast`, :func:`receive_tensors`,
+:func:`receive_flattened`) is shared with raygym's server, the in-process receiver and tests. Engines answer
+each bucket's request after loading it; the sender awaits those answers one bucket late, so loading
+overlaps the next bucket.
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ import torch
 
 from raygym.errors import WeightSyncError
 from raygym.weightsync.engine_link import EngineLink, checked
-from raygym.weightsync.payload import BUCKET_NAME, LOADER, MANIFEST_NAME
+from raygym.weightsync.payload import BUCKET_NAME, FULL, LOADER, MANIFEST_NAME, Manifest
+
+FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one flat buffer of HF-named tensors
+FORMATS = ("raygym_bucket", FLATTENED_BUCKET)
 
 
 def join_group(
@@ -38,20 +48,34 @@ def join_group(
 ) -> Any:
     """Create (rank 0) or join the weight-update process group; returns the ProcessGroup object.
 
-    The rendezvous of SGLang's ``init_custom_process_group``: a TCP store at the master, then
-    ``_new_process_group_helper`` with the group name. Stock SGLang, raygym's server
-    (:func:`raygym.rollout.server.new_process_group`) and this sender all meet this way. The store
-    and the group both get ``timeout_s``; the caller's default process group is neither needed nor touched.
+    The rendezvous of SGLang's ``init_custom_process_group`` (and slime's copy of it): a TCP store hosted
+    by rank 0 at ``master_address:master_port``, its keys namespaced by ``PrefixStore(group_name, ...)``,
+    then a process group named ``group_name`` on it. Stock SGLang, raygym's server and this sender all
+    meet this way, in either role. The store and the group both get ``timeout_s``; the caller's default
+    process group is neither needed nor touched. IPv6 addresses may come bare or in brackets.
     """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, _, _ = next(dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
+    store, _, _ = next(dist.rendezvous(tcp_url(master_address, master_port), rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
+    store = dist.PrefixStore(group_name, store)
     # torch has no public API for a group outside the default world; SGLang uses this helper too.
     pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
+    # SGLang's receivers call torch.distributed.broadcast(src=0, group=pg), which maps ranks through this table.
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def tcp_url(address: str, port: int) -> str:
+    """``tcp://host:port`` with IPv6 hosts in brackets.
+
+    >>> tcp_url("10.0.0.1", 29500), tcp_url("fe80::1", 29500), tcp_url("[fe80::1]", 29500)
+    ('tcp://10.0.0.1:29500', 'tcp://[fe80::1]:29500', 'tcp://[fe80::1]:29500')
+    """
+    host = address.strip("[]")
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def broadcast(pg: Any, tensor: torch.Tensor, timeout_s: float) -> None:
@@ -91,6 +115,29 @@ def receive_tensors(
             tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
         broadcast(pg, tensor, timeout_s)
         yield name, tensor
+
+
+def receive_flattened(
+    pg: Any, specs: list[tuple[str, torch.dtype, list[int]]], device: torch.device, timeout_s: float,
+    scratch: ScratchBuffers | None = None,
+) -> list[tuple[str, torch.Tensor]]:
+    """Receive one ``flattened_bucket`` request: ONE broadcast of the tensors' bytes back to back, in
+    ``specs`` order; returns views into the received buffer (SGLang's ``FlattenedTensorBucket`` layout)."""
+    sizes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in specs]
+    total = sum(sizes)
+    if scratch is not None and device.type == "cpu":
+        flat = scratch.get(0, torch.uint8, [total])
+    else:
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
+    broadcast(pg, flat, timeout_s)
+    out, offset = [], 0
+    for (name, dtype, shape), size in zip(specs, sizes, strict=True):
+        if offset % dtype.itemsize:
+            raise ValueError(f"flattened_bucket: {name!r} starts at byte {offset}, not a multiple of its "
+                             f"{dtype} item size; the sender must keep tensors aligned")
+        out.append((name, flat[offset:offset + size].view(dtype).view(tuple(shape))))
+        offset += size
+    return out
 
 
 class ScratchBuffers:
@@ -140,8 +187,11 @@ class DistTransport:
 
     def __init__(
         self, engines: list[EngineLink], *, master_address: str = "127.0.0.1", tp_sizes: list[int] | None = None,
-        backend: str | None = None, timeout_s: float = 600.0,
+        backend: str | None = None, timeout_s: float = 600.0, fmt: str = "raygym_bucket",
     ):
+        if fmt not in FORMATS:
+            raise ValueError(f"fmt={fmt!r}: one of {FORMATS}")
+        self.fmt = fmt
         self.engines = list(engines)
         self.tp_sizes = list(tp_sizes) if tp_sizes else [1] * len(self.engines)
         if len(self.tp_sizes) != len(self.engines):
@@ -167,6 +217,7 @@ class DistTransport:
         futures: list[Future] = []
         offset = 1
         for link, tp in zip(self.engines, self.tp_sizes, strict=True):
+            # an engine's TP ranks join at rank_offset + tp_rank: offsets advance by each engine's TP size
             payload = {"master_address": self.master_address, "master_port": port, "rank_offset": offset,
                        "world_size": world, "group_name": self.group_name, "backend": self.backend}
             futures.append(self._pool.submit(checked, link, "init_weights_update_group", payload, self.timeout_s))
@@ -199,14 +250,12 @@ class DistTransport:
         """
         if self._pg is None:
             raise WeightSyncError("weight-update group is not connected; call connect() first")
-        payload = {"names": [MANIFEST_NAME, BUCKET_NAME], "dtypes": ["uint8", "uint8"],
-                   "shapes": [[int(manifest.numel())], [int(flat.numel())]], "group_name": self.group_name,
-                   "flush_cache": False, "weight_version": str(version), "load_format": LOADER}
+        payload, tensors = self._request(version, manifest, flat)
         futures = [self._pool.submit(checked, link, "update_weights_from_distributed", payload, self.timeout_s)
                    for link in self.engines]
         device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
         try:
-            for tensor in (manifest, flat):
+            for tensor in tensors:
                 broadcast(self._pg, tensor.to(device), self.timeout_s)
         except Exception as exc:
             self._pg = None  # a failed collective leaves the group unusable; reconnect next time
@@ -219,6 +268,19 @@ class DistTransport:
         self._unanswered.append((version, futures))
         while len(self._unanswered) > 1:
             self._await_answers()
+
+    def _request(self, version: int, manifest: torch.Tensor, flat: torch.Tensor
+                 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The ``/update_weights_from_distributed`` body of one bucket and the tensors to broadcast."""
+        common = {"group_name": self.group_name, "flush_cache": False, "weight_version": str(version)}
+        if self.fmt == "flattened_bucket":
+            entries = Manifest.from_bytes(manifest).entries
+            assert all(e.encoding == FULL for e in entries), "flattened buckets carry full tensors only"
+            return ({"names": [e.name for e in entries], "dtypes": [e.dtype for e in entries],
+                     "shapes": [list(e.shape) for e in entries], "load_format": FLATTENED_BUCKET, **common}, [flat])
+        return ({"names": [MANIFEST_NAME, BUCKET_NAME], "dtypes": ["uint8", "uint8"],
+                 "shapes": [[int(manifest.numel())], [int(flat.numel())]], "load_format": LOADER, **common},
+                [manifest, flat])
 
     def finish(self, version: int) -> None:
         """Wait for every engine's answer to every bucket of ``version``."""

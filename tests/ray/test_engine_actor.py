@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from raygym.presets import tiny
 from raygym.rollout.engine import EngineActor
 
 pytestmark = pytest.mark.ray
@@ -28,7 +29,7 @@ def test_engine_actor_generates_detects_a_killed_server_and_restarts(ray_local, 
     ray = ray_local
     Actor = ray.remote(num_cpus=0, max_concurrency=8)(EngineActor)
     actor = Actor.remote(
-        {"seed": 3, "sglang_max_running_requests": 8},
+        tiny().replace(seed=3, sglang_max_running_requests=8),
         0,
         tiny_model_path,
         [],

@@ -35,7 +35,7 @@ def engines(ray_local, tiny_model_path, tmp_path_factory):
     Actor = ray.remote(num_cpus=0, max_concurrency=16)(EngineActor)
     log_dir = str(tmp_path_factory.mktemp("engine-logs"))
     handles = [
-        Actor.remote({"seed": i, "sglang_max_running_requests": 32}, i, tiny_model_path, [], "127.0.0.1", "raygym",
+        Actor.remote(tiny().replace(seed=i, sglang_max_running_requests=32), i, tiny_model_path, [], "127.0.0.1", "raygym",
                      startup_timeout=180.0, device="cpu", log_dir=log_dir)
         for i in range(2)
     ]

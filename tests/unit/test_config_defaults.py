@@ -150,6 +150,8 @@ RAYGYM_DEFAULTS = {
     "colocate_trainer_gpu_share": 0.5,
     "colocate_engine_gpu_share": 0.4,
     "placement_timeout": 600.0,
+    "rollout_engine_python": "",
+    "update_weight_probe_tolerance": 0.1,
 }
 
 SPEC_PAGE = Path(__file__).resolve().parents[3] / "shared" / "spec" / "Qwen3_4B_Recipe.txt"

@@ -10,12 +10,12 @@ import socket
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
 
+from raygym.config import Recipe
 from raygym.errors import WeightSyncError
 from raygym.weightsync.codec import checksum
 from raygym.weightsync.coordinator import WeightSync
@@ -23,6 +23,8 @@ from raygym.weightsync.engine_link import HttpEngineLink, LocalEngineLink
 from raygym.weightsync.payload import LOADER
 from raygym.weightsync.receiver import WeightReceiver
 from raygym.weightsync.sender import RankWeightSync, SenderSpec
+from raygym.weightsync.sources import WeightSources
+from tests.weightsync.local_trainer import LocalTrainer
 
 pytestmark = pytest.mark.e2e
 
@@ -38,15 +40,17 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model_path):
-    """Two raygym servers with raygym's loader registered; ended by their own handles."""
+def servers(tiny_model_path, tmp_path_factory):
+    """Two raygym servers with raygym's loader registered, reading weights from this session's temp
+    directories; ended by their own handles."""
     procs, urls = [], []
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for _ in range(2):
         port = free_port()
         cmd = [sys.executable, "-m", "raygym.rollout.server", "--model-path", tiny_model_path, "--host", "127.0.0.1",
                "--port", str(port), "--device", "cpu", "--dtype", ENGINE_DTYPE, "--custom-weight-loader", LOADER,
-               "--weight-update-timeout", str(SERVER_TIMEOUT_S)]
+               "--weight-update-timeout", str(SERVER_TIMEOUT_S), "--weight-source",
+               str(tmp_path_factory.getbasetemp()), "--weight-source", "memory://raygym-sync"]
         procs.append(subprocess.Popen(cmd, env=env))
         urls.append(f"http://127.0.0.1:{port}")
     try:
@@ -72,57 +76,12 @@ def servers(tiny_model_path):
                 proc.kill()
 
 
-class LocalTrainer:
-    """Trainer rank 0 in this process: the tiny model, real AdamW steps, and the weight-sync methods
-    exactly as TrainerActor exposes them."""
-
-    def __init__(self, model_path: str, lr: float = 5e-6):
-        from transformers import AutoModelForCausalLM
-
-        torch.manual_seed(0)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
-        self.wsync = RankWeightSync(0)
-
-    def train_step(self) -> None:
-        ids = torch.randint(2, self.model.config.vocab_size, (4, 16))
-        loss = self.model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad()
-
-    def hf_weights(self):
-        for name, t in self.model.state_dict().items():
-            yield name, t.detach()
-
-    def engine_checksums(self) -> dict[str, str]:
-        return {n: checksum(t.to(torch.bfloat16)) for n, t in self.hf_weights()}
-
-    def init_weight_sync(self, spec):
-        return self.wsync.init(spec)
-
-    def push_weights(self, version: int, force_full: bool = False):
-        return self.wsync.push(version, self.hf_weights(), force_full)
-
-    def commit_weights(self, version: int) -> None:
-        self.wsync.commit(version)
-
-    def discard_weights(self) -> None:
-        self.wsync.discard()
-
-    def reconnect_weight_sync(self):
-        return self.wsync.reconnect()
-
-    def close_weight_sync(self) -> None:
-        self.wsync.close()
-
-
-def recipe(transport: str, **over) -> SimpleNamespace:
+def recipe(transport: str, **over) -> Recipe:
     fields = dict(update_weight_transport=transport, update_weight_mode="delta", update_weight_encoding="indices",
                   update_weight_buffer_size=64 * 1024, update_weight_timeout=TIMEOUT_S, update_weight_disk_dir="",
                   update_weight_full_interval=0, update_weight_pause_mode="abort", colocate=False)
     fields.update(over)
-    return SimpleNamespace(**fields)
+    return Recipe(**fields)
 
 
 def engine_checksums(url: str) -> tuple[str, dict[str, str]]:
@@ -158,7 +117,7 @@ def check_delta_history(history: list[dict[str, float]]) -> None:
 def test_gloo_full_then_delta_bit_identical(servers, tiny_model_path):
     trainer = LocalTrainer(tiny_model_path)
     sync = WeightSync(recipe("nccl"), [trainer], servers,
-                      spec_overrides={"cast_dtype": ENGINE_DTYPE, "group_protocol": "raygym",
+                      spec_overrides={"cast_dtype": ENGINE_DTYPE,
                                       "master_address": "127.0.0.1"})
     try:
         history = run_steps(sync, trainer, servers, steps=3)
@@ -185,7 +144,7 @@ def test_disk_memory_url_with_in_process_engine(tiny_model_path):
 
     trainer = LocalTrainer(tiny_model_path, lr=1e-3)
     engine_model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    receiver = WeightReceiver(engine_model)
+    receiver = WeightReceiver(engine_model, sources=WeightSources(["memory://raygym-sync"]))
     sync = WeightSync(recipe("disk", update_weight_disk_dir="memory://raygym-sync", update_weight_encoding="deltas"),
                       [trainer], [LocalEngineLink(receiver, "in-process")])
     sync.setup()
@@ -230,12 +189,12 @@ class CorruptingLink:
     def __init__(self, inner: HttpEngineLink, version: int):
         self.inner, self.version, self.name, self.corrupted = inner, version, inner.name, False
 
-    def call(self, endpoint, payload, timeout):
+    def call(self, endpoint, payload, timeout, method="POST"):
         if endpoint == "update_weights_from_disk" and payload["weight_version"] == str(self.version) \
                 and not self.corrupted:
             self.corrupted = True
             flip_bucket_byte(os.path.join(payload["model_path"], "shard-00000.safetensors"))
-        return self.inner.call(endpoint, payload, timeout)
+        return self.inner.call(endpoint, payload, timeout, method)
 
 
 def flip_bucket_byte(path: str) -> None:

@@ -1,0 +1,136 @@
+"""What each engine kind can do, declared once: the sync coordinator and config validation ask here.
+
+Pure (no torch, no ray): ``raygym.config`` imports it to refuse, before anything starts, a weight-sync
+combination an engine kind cannot carry out.
+
+Engine kinds:
+
+- ``raygym``: raygym's own server (``python -m raygym.rollout.server``). Its parameters carry the
+  checkpoint's HF names, so weights are verified exactly (per-tensor xxh3 checksums through
+  ``/raygym/weights_checksum``) and raygym's delta payloads apply over every transport.
+- ``sglang``: stock, unpatched SGLang. Its parameters are fused and TP-sharded (``qkv_proj``,
+  ``gate_up_proj``), so only full HF-named tensors may reach it, always through the model's own
+  ``load_weights``: ``/update_weights_from_distributed`` (``flattened_bucket``), ``/update_weights_from_disk``
+  (a HF safetensors directory) or, colocated on GPU, ``/update_weights_from_tensor`` (CUDA IPC handles).
+  A delta travels only where SGLang runs a custom loader: ``/update_weights_from_tensor`` with raygym's
+  ``load_payload_via_model``, which rebuilds full tensors from a host snapshot it keeps; the delta
+  itself is read from the ``disk`` transport's shared directory. Verification: the weight version label
+  plus a probe — fixed token sequences scored by the engine (``input_token_logprobs``) must match the
+  trainer's own forward pass (SGLang 0.5.18 implements ``/get_weights_by_name`` for no Qwen3 model).
+
+>>> caps = capabilities("sglang")
+>>> caps.verification, sorted(caps.delta_transports)
+('probe', ['disk'])
+>>> check_weight_sync("sglang", mode="delta", transport="nccl", colocate=False)
+Traceback (most recent call last):
+...
+raygym.errors.ConfigError: update_weight_mode='delta' over update_weight_transport='nccl' is not possible with rollout_engine='sglang': stock SGLang applies no custom loader on /update_weights_from_distributed, so a delta would be dropped; use --update-weight-transport disk (delta through SGLang's custom-weight-loader hook) or --update-weight-mode full
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from raygym.errors import ConfigError
+
+ENGINE_KINDS = ("raygym", "sglang")
+TRANSPORTS = ("nccl", "disk", "ipc")
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """One engine kind's abilities.
+
+    Attributes:
+        kind: ``"raygym"`` or ``"sglang"``.
+        verification: ``"checksum"`` (exact bytes of every tensor) or ``"probe"`` (the engine's log-probs of
+            fixed token sequences against the trainer's forward pass).
+        full_transports / delta_transports: transports that carry a full / a delta payload to this kind.
+        dist_format: how a bucket travels over ``/update_weights_from_distributed``: ``"raygym_bucket"``
+            (raygym's manifest + buffer, applied by its custom loader) or ``"flattened_bucket"`` (HF-named
+            full tensors back to back, SGLang's format, applied by the model's ``load_weights``).
+        delta_loader: the custom loader a delta payload names in ``load_format``.
+        memory_release: ``"always"`` (releases on request) or ``"memory_saver"`` (only when launched with
+            ``--enable-memory-saver``, on GPU).
+        accepts_api_key_env: the server reads its API key from the environment (else from a config file).
+    """
+
+    kind: str
+    verification: str
+    full_transports: frozenset[str]
+    delta_transports: frozenset[str]
+    dist_format: str
+    delta_loader: str
+    memory_release: str
+    accepts_api_key_env: bool
+
+
+# Custom loaders (SGLang's convention: ``fn(model, named_tensors)``, imported by dotted path).
+DIRECT_LOADER = "raygym.weightsync.loader.load_payload"  # writes into HF-named parameters
+MODEL_LOADER = "raygym.weightsync.loader.load_payload_via_model"  # hands full tensors to model.load_weights
+
+_CAPABILITIES = {
+    "raygym": EngineCapabilities(
+        kind="raygym", verification="checksum",
+        full_transports=frozenset(TRANSPORTS), delta_transports=frozenset({"nccl", "disk"}),
+        dist_format="raygym_bucket", delta_loader=DIRECT_LOADER, memory_release="always",
+        accepts_api_key_env=True,
+    ),
+    "sglang": EngineCapabilities(
+        kind="sglang", verification="probe",
+        full_transports=frozenset(TRANSPORTS), delta_transports=frozenset({"disk"}),
+        dist_format="flattened_bucket", delta_loader=MODEL_LOADER, memory_release="memory_saver",
+        accepts_api_key_env=False,
+    ),
+}
+
+
+def capabilities(kind: str) -> EngineCapabilities:
+    """The declared capabilities of engine kind ``kind`` (ConfigError for an unknown kind)."""
+    try:
+        return _CAPABILITIES[kind]
+    except KeyError:
+        raise ConfigError(f"rollout_engine={kind!r}: unknown engine kind; use one of {list(ENGINE_KINDS)}") from None
+
+
+def weight_update_session(kind: str, version: str | None) -> bool:
+    """Whether weight updates must sit between ``/begin_weight_update`` and ``/end_weight_update``
+    (stock SGLang from 0.5.23 refuses them otherwise).
+
+    >>> weight_update_session("sglang", "0.5.23"), weight_update_session("sglang", "0.5.18")
+    (True, False)
+    """
+    return kind == "sglang" and version is not None and version_tuple(version) >= (0, 5, 23)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"0.5.15.post1"`` -> ``(0, 5, 15)`` (release numbers only).
+
+    >>> version_tuple("0.5.15.post1"), version_tuple("0.5.6rc1")
+    ((0, 5, 15), (0, 5, 6))
+    """
+    return tuple(int(n) for n in re.findall(r"^(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)[0] if n)
+
+
+def check_weight_sync(kind: str, *, mode: str, transport: str, colocate: bool) -> None:
+    """Raise ConfigError when engine kind ``kind`` cannot receive ``mode`` payloads over ``transport``."""
+    caps = capabilities(kind)
+    allowed = caps.delta_transports if mode == "delta" else caps.full_transports
+    if transport in allowed:
+        return
+    if kind == "sglang" and mode == "delta":
+        why = {
+            "nccl": "stock SGLang applies no custom loader on /update_weights_from_distributed, so a delta "
+                    "would be dropped",
+            "ipc": "CUDA IPC ships handles, not bytes: a colocated delta saves nothing",
+        }[transport]
+        raise ConfigError(
+            f"update_weight_mode='delta' over update_weight_transport={transport!r} is not possible with "
+            f"rollout_engine='sglang': {why}; use --update-weight-transport disk (delta through SGLang's "
+            "custom-weight-loader hook) or --update-weight-mode full"
+        )
+    raise ConfigError(
+        f"update_weight_mode={mode!r} over update_weight_transport={transport!r} is not supported by "
+        f"rollout_engine={kind!r}; supported transports: {sorted(allowed)}"
+    )

@@ -1,0 +1,235 @@
+"""The engine protocol: SGLang's native HTTP API as raygym speaks it, in one place.
+
+Endpoint paths and the request/response bodies, as pydantic models with the field names, types and
+defaults of SGLang's ``srt/managers/io_struct.py`` (checked against SGLang 0.5.6, 0.5.15.post1, 0.5.18
+and 0.5.23). raygym's server validates requests with these models, the rollout client and the
+weight-sync link build requests from them, so the three cannot drift apart. Pure: pydantic only.
+
+Top-level fields a model does not know are ignored, as SGLang's server ignores them; wrong types are
+errors naming the field (``master_port`` may arrive as a string, as SGLang's own tests send it, and is
+converted). raygym's extensions live under ``/raygym/``.
+
+>>> InitWeightsUpdateGroup.model_validate({"master_address": "10.0.0.1", "master_port": "29500",
+...     "rank_offset": 1, "world_size": 2}).master_port
+29500
+>>> Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED.value
+'/update_weights_from_distributed'
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class Endpoint(str, enum.Enum):
+    """Every route raygym sends to or serves. Values are URL paths."""
+
+    GENERATE = "/generate"
+    HEALTH = "/health"
+    HEALTH_GENERATE = "/health_generate"
+    MODEL_INFO = "/model_info"
+    GET_MODEL_INFO = "/get_model_info"  # deprecated in SGLang for /model_info; still served
+    SERVER_INFO = "/server_info"
+    FLUSH_CACHE = "/flush_cache"
+    PAUSE_GENERATION = "/pause_generation"
+    CONTINUE_GENERATION = "/continue_generation"
+    ABORT_REQUEST = "/abort_request"
+    RELEASE_MEMORY = "/release_memory_occupation"
+    RESUME_MEMORY = "/resume_memory_occupation"
+    UPDATE_WEIGHTS_FROM_DISK = "/update_weights_from_disk"
+    UPDATE_WEIGHTS_FROM_TENSOR = "/update_weights_from_tensor"
+    INIT_WEIGHTS_UPDATE_GROUP = "/init_weights_update_group"
+    UPDATE_WEIGHTS_FROM_DISTRIBUTED = "/update_weights_from_distributed"
+    DESTROY_WEIGHTS_UPDATE_GROUP = "/destroy_weights_update_group"
+    BEGIN_WEIGHT_UPDATE = "/begin_weight_update"  # SGLang >= 0.5.23: a session around every update
+    END_WEIGHT_UPDATE = "/end_weight_update"
+    UPDATE_WEIGHT_VERSION = "/update_weight_version"
+    GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
+    WEIGHTS_CHECKER = "/weights_checker"
+    RAYGYM_WEIGHTS_CHECKSUM = "/raygym/weights_checksum"
+    RAYGYM_STATS = "/raygym/stats"
+
+    @property
+    def name_without_slash(self) -> str:
+        """``"update_weights_from_disk"`` (the form :class:`raygym.weightsync.engine_link.EngineLink` takes)."""
+        return self.value.lstrip("/")
+
+
+# Routes that change the engine's state: POST with a JSON body only (SGLang also takes GET on some;
+# raygym's server does not: a web page must not be able to drive them).
+STATE_CHANGING = frozenset({
+    Endpoint.FLUSH_CACHE, Endpoint.PAUSE_GENERATION, Endpoint.CONTINUE_GENERATION, Endpoint.ABORT_REQUEST,
+    Endpoint.RELEASE_MEMORY, Endpoint.RESUME_MEMORY, Endpoint.UPDATE_WEIGHTS_FROM_DISK,
+    Endpoint.UPDATE_WEIGHTS_FROM_TENSOR, Endpoint.INIT_WEIGHTS_UPDATE_GROUP,
+    Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED, Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP,
+    Endpoint.BEGIN_WEIGHT_UPDATE, Endpoint.END_WEIGHT_UPDATE, Endpoint.UPDATE_WEIGHT_VERSION,
+})
+
+PAUSE_MODES = ("abort", "in_place", "retract")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+# SGLang's own name for one flat uint8 buffer holding a bucket of tensors back to back
+# (``srt/weight_sync/tensor_bucket.py``); the only load_format /update_weights_from_distributed honours.
+FLATTENED_BUCKET = "flattened_bucket"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class GenerateRequest(_Body):
+    """``POST /generate``: one prompt or a batch (lists), as ``input_ids`` or ``text``."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None
+    stream: bool = False
+
+
+class FinishReason(_Body):
+    type: Literal["length", "stop", "abort"]
+    length: int | None = None
+    matched: int | str | None = None
+    message: str | None = None
+
+
+class GenerateMetaInfo(_Body):
+    """What RL clients read from ``meta_info`` (slime, verl, raygym's manager)."""
+
+    id: str
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str | None = None
+    output_token_logprobs: list[list[Any]] | None = None  # [logprob, token_id, text | None]
+    input_token_logprobs: list[list[Any]] | None = None  # first entry's logprob is None
+
+
+class GenerateResponse(_Body):
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo
+
+
+class PauseGeneration(_Body):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGeneration(_Body):
+    torch_empty_cache: bool = True
+
+
+class AbortRequest(_Body):
+    rid: str | None = ""
+    abort_all: bool = False
+
+
+class MemoryTags(_Body):
+    """``/release_memory_occupation`` and ``/resume_memory_occupation``; None = every tag."""
+
+    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] | None = None
+
+
+class _WeightUpdate(_Body):
+    """Fields every weight-loading request shares. An int ``weight_version`` is taken as its text."""
+
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version_as_text(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+class UpdateWeightsFromDisk(_WeightUpdate):
+    model_path: str
+
+
+class UpdateWeightsFromTensor(_WeightUpdate):
+    """``serialized_named_tensors``: one base64 pickle of ``[(name, tensor), ...]`` per TP rank."""
+
+    serialized_named_tensors: list[str]
+
+
+class InitWeightsUpdateGroup(_Body):
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=0)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: Literal["nccl", "gloo"] = "nccl"
+
+
+class UpdateWeightsFromDistributed(_WeightUpdate):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+
+
+class DestroyWeightsUpdateGroup(_Body):
+    group_name: str = "weight_update_group"
+
+
+class BeginWeightUpdate(_Body):
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class WeightsChecksum(_Body):
+    """raygym extension: ``{"names": [...] | None}`` -> :class:`WeightsChecksumResponse`."""
+
+    names: list[str] | None = None
+
+
+class WeightsChecksumResponse(_Body):
+    weight_version: str
+    checksums: dict[str, str]
+
+
+class WeightUpdateResult(_Body):
+    """The answer of every weight endpoint (HTTP 200 on success, 400 otherwise)."""
+
+    success: bool
+    message: str = ""
+    num_paused_requests: int | None = None
+
+
+class ModelInfo(_Body):
+    """``GET /model_info`` fields RL clients read (slime reads the multimodal flags)."""
+
+    model_path: str
+    tokenizer_path: str | None = None
+    is_generation: bool = True
+    weight_version: str | None = None
+    has_image_understanding: bool = False
+    has_audio_understanding: bool = False
+
+
+def request_error(exc: ValidationError, endpoint: str) -> str:
+    """One line naming the first bad field of a request body, its value and what it must be.
+
+    >>> try:
+    ...     InitWeightsUpdateGroup.model_validate({"master_address": "a", "master_port": "x",
+    ...                                            "rank_offset": 0, "world_size": 2})
+    ... except ValidationError as e:
+    ...     print(request_error(e, "/init_weights_update_group"))
+    /init_weights_update_group: master_port='x': Input should be a valid integer, unable to parse string as an integer
+    """
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        if err.get("type") == "missing":
+            problems.append(f"missing required field {where!r}")
+        else:
+            problems.append(f"{where}={err.get('input')!r}: {err.get('msg')}")
+    return f"{endpoint}: " + "; ".join(problems[:3])

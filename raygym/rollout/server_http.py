@@ -1,0 +1,111 @@
+"""HTTP plumbing of raygym's server: error bodies, request parsing, the API-key and request-origin checks.
+
+Errors are SGLang's ``{"error": {"message": ...}}`` (HTTP 400, 401, 403, 405, 413, 415, 429, 503); weight
+endpoints answer ``{"success": bool, "message": str}`` with 200 or 400.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from raygym.rollout.auth import authorized
+from raygym.rollout.protocol import request_error
+
+log = logging.getLogger("raygym.rollout.server")
+_BROWSER_SIMPLE_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
+M = TypeVar("M", bound=BaseModel)
+Handler = Callable[[Any, web.Request], Awaitable[web.StreamResponse]]
+
+
+class BadRequest(ValueError):
+    """A client mistake; answered with HTTP 400 (or ``status``) and this message."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def error_response(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def result_response(result: dict[str, Any]) -> web.Response:
+    """A weight endpoint's ``{"success", "message", ...}``: 200 on success, else 400."""
+    return web.json_response(result, status=200 if result.get("success") else 400)
+
+
+async def read_json(request: web.Request, *, required: bool = True) -> dict[str, Any]:
+    """The request's JSON object body (``{}`` when empty and not required)."""
+    raw = await request.read()
+    if not raw.strip():
+        if required:
+            raise BadRequest(f"{request.path}: expected a JSON object body")
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"{request.path}: body is not valid JSON ({exc})") from exc
+    if not isinstance(body, dict):
+        raise BadRequest(f"{request.path}: body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+async def parse(request: web.Request, model: type[M], *, required: bool = True) -> M:
+    """Read and validate the body as ``model``; a wrong field is a 400 naming it."""
+    body = await read_json(request, required=required)
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise BadRequest(request_error(exc, request.path)) from None
+
+
+def handles_errors(fn: Handler) -> Handler:
+    """Turn ValueError (BadRequest included) into SGLang's error body; anything else is logged and a 500."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: web.Request) -> web.StreamResponse:
+        try:
+            return await fn(self, request)
+        except BadRequest as exc:
+            return error_response(str(exc), exc.status)
+        except ValueError as exc:
+            return error_response(str(exc))
+        except Exception as exc:
+            log.exception("%s failed", request.path)
+            return error_response(f"{request.path} failed: {type(exc).__name__}: {exc}", status=500)
+
+    return wrapper
+
+
+def guard_middleware(api_key: str | None, state_changing: frozenset[str]) -> Any:
+    """aiohttp middleware: the API key on every route but ``/health*`` (SGLang's rule), and, on routes that
+    change state, POST with a JSON body only and no browser cross-site request (a web page on the same host
+    must not be able to drive them)."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                    ) -> web.StreamResponse:
+        if api_key and not request.path.startswith("/health") and not authorized(
+                request.headers.get("Authorization"), api_key):
+            return error_response("unauthorized: send the engine's API key as 'Authorization: Bearer <key>'", 401)
+        if request.path in state_changing:
+            if request.method != "POST":
+                return error_response(f"{request.path} changes the engine's state: use POST", 405)
+            ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+            has_body = bool(request.content_length) or request.headers.get("Transfer-Encoding") == "chunked"
+            # Bodiless control calls (SGLang's clients send no body to /flush_cache) pass with any type
+            # but the three a web page may send cross-site without asking (CORS "simple" requests).
+            if ctype in _BROWSER_SIMPLE_TYPES or (has_body and ctype != "application/json"):
+                return error_response(f"{request.path}: Content-Type must be application/json, got {ctype!r}", 415)
+            if request.headers.get("Sec-Fetch-Site") in ("cross-site", "same-site") or "Origin" in request.headers:
+                return error_response(f"{request.path}: refused: browser requests cannot change the engine", 403)
+        return await handler(request)
+
+    return guard

@@ -1,0 +1,148 @@
+"""The weight endpoints of raygym's server: HTTP, ordering and memory state around
+:class:`raygym.weightsync.receiver.WeightReceiver`, which does the work.
+
+Requests of one weight-update group are received in arrival order (a sender may post bucket k+1 while
+bucket k still loads); receiving runs in a thread before the model is taken, so a busy engine never
+stalls the sender; loading takes the model between two decode steps (or after the running batch when
+generation is not paused, as SGLang does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from raygym.rollout import protocol
+from raygym.rollout.generation import GenerationEngine
+from raygym.rollout.protocol import Endpoint
+from raygym.rollout.server_http import BadRequest, handles_errors, parse, read_json, result_response
+from raygym.weightsync.receiver import WeightReceiver, WeightRequestError, copy_by_name
+
+
+class WeightRoutes:
+    """Weight loading, groups, sessions and checksums for one :class:`GenerationEngine`."""
+
+    def __init__(self, engine: GenerationEngine, receiver: WeightReceiver, released: Callable[[], set[str]]) -> None:
+        self.engine = engine
+        self.receiver = receiver
+        self._released = released
+        self._order: dict[str, asyncio.Lock] = {}
+
+    def register(self, router: web.UrlDispatcher) -> None:
+        routes: dict[Endpoint, Callable[[web.Request], Any]] = {
+            Endpoint.UPDATE_WEIGHTS_FROM_DISK: self.update_weights_from_disk,
+            Endpoint.UPDATE_WEIGHTS_FROM_TENSOR: self.update_weights_from_tensor,
+            Endpoint.INIT_WEIGHTS_UPDATE_GROUP: self.init_weights_update_group,
+            Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED: self.update_weights_from_distributed,
+            Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP: self.destroy_weights_update_group,
+            Endpoint.BEGIN_WEIGHT_UPDATE: self.begin_weight_update,
+            Endpoint.END_WEIGHT_UPDATE: self.end_weight_update,
+            Endpoint.UPDATE_WEIGHT_VERSION: self.update_weight_version,
+            Endpoint.RAYGYM_WEIGHTS_CHECKSUM: self.weights_checksum,
+        }
+        for endpoint, handler in routes.items():
+            router.add_route("*", endpoint.value, handler)  # wrong methods get a 405 from the guard
+        router.add_route("*", Endpoint.GET_WEIGHTS_BY_NAME.value, self.get_weights_by_name)
+
+    @property
+    def weight_version(self) -> str:
+        return self.receiver.weight_version
+
+    def _require_weights_resident(self) -> None:
+        if "weights" in self._released():
+            raise BadRequest("weights are released; call /resume_memory_occupation with tags ['weights'] first")
+
+    def _abort_first(self, req: Any) -> None:
+        if req.abort_all_requests:
+            self.engine.abort(abort_all=True, message="aborted for a weight update")
+
+    @handles_errors
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.UpdateWeightsFromDisk)
+        self._require_weights_resident()
+        self._abort_first(req)
+        return result_response(await asyncio.to_thread(self.receiver.update_weights_from_disk, **req.model_dump()))
+
+    @handles_errors
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.UpdateWeightsFromTensor)
+        self._require_weights_resident()
+        self._abort_first(req)
+        return result_response(await asyncio.to_thread(self.receiver.update_weights_from_tensor, **req.model_dump()))
+
+    @handles_errors
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.InitWeightsUpdateGroup)
+        return result_response(await asyncio.to_thread(self.receiver.init_weights_update_group, **req.model_dump()))
+
+    @handles_errors
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.UpdateWeightsFromDistributed)
+        if req.group_name not in self.receiver.groups:
+            raise BadRequest(f"group_name={req.group_name!r}: no such group; call /init_weights_update_group first")
+        fn = copy_by_name if req.load_format == protocol.FLATTENED_BUCKET else self.receiver.resolve_loader(req.load_format)
+        self._require_weights_resident()
+        self._abort_first(req)
+        async with self._order.setdefault(req.group_name, asyncio.Lock()):  # FIFO per group
+            try:
+                received = await asyncio.to_thread(self.receiver.receive_distributed, req)
+            except WeightRequestError as exc:
+                return result_response({"success": False, "message": f"Failed to update weights: {exc}"})
+            except Exception as exc:
+                return result_response({"success": False,
+                                        "message": f"Failed to receive weights: {type(exc).__name__}: {exc}"})
+            return result_response(await asyncio.to_thread(self.receiver.load, received, fn, req.weight_version))
+
+    @handles_errors
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.DestroyWeightsUpdateGroup, required=False)
+        self._order.pop(req.group_name, None)
+        return result_response(await asyncio.to_thread(self.receiver.destroy_weights_update_group, **req.model_dump()))
+
+    @handles_errors
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.BeginWeightUpdate, required=False)
+        return result_response(self.receiver.begin_weight_update(**req.model_dump()))
+
+    @handles_errors
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await read_json(request, required=False)
+        return result_response(self.receiver.end_weight_update())
+
+    @handles_errors
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        version = body.get("new_version")
+        if not isinstance(version, (str, int)) or isinstance(version, bool) or str(version) == "":
+            raise BadRequest("new_version: required, a non-empty string")
+        if body.get("abort_all_requests", True) is not False:
+            self.engine.abort(abort_all=True, message="aborted for a weight version update")
+        self.receiver.weight_version = str(version)
+        return web.json_response({"success": True, "message": f"Weight version updated to {version}",
+                                  "new_version": str(version)})
+
+    @handles_errors
+    async def weights_checksum(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.WeightsChecksum, required=False)
+        self._require_weights_resident()
+        try:
+            return web.json_response(await asyncio.to_thread(self.receiver.weights_checksum, **req.model_dump()))
+        except ValueError as exc:  # WeightSyncError is a RuntimeError; unknown names are the caller's
+            raise BadRequest(str(exc)) from None
+        except RuntimeError as exc:
+            raise BadRequest(str(exc)) from None
+
+    @handles_errors
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = await read_json(request, required=False) if request.method == "POST" else dict(request.query)
+        try:
+            name = str(body["name"])
+            truncate = int(body.get("truncate_size", 100))
+        except (KeyError, TypeError, ValueError, ValidationError):
+            raise BadRequest("get_weights_by_name: send 'name' (an HF parameter name) and optionally 'truncate_size'") from None
+        self._require_weights_resident()
+        return web.json_response(await asyncio.to_thread(self.receiver.get_weights_by_name, name, truncate))

@@ -1,0 +1,210 @@
+"""raygym against stock, unpatched SGLang (its CPU backend, its own interpreter): generation through
+raygym's client, pause/continue/flush, release/resume, verified weight sync over gloo and disk (full,
+and delta through SGLang's custom-weight-loader hook), an engine restart, the API key."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+import torch
+
+from raygym.config import Recipe
+from raygym.errors import WeightSyncError
+from raygym.rollout.auth import use_engine_api_key
+from raygym.rollout.engine import EngineActor
+from raygym.weightsync.coordinator import WeightSync
+from tests.weightsync.local_trainer import LocalTrainer
+
+pytestmark = [pytest.mark.sglang_cpu, pytest.mark.timeout(1200)]
+API_KEY = "sglang-cpu-test-key"
+
+
+def recipe(python: str, **over) -> Recipe:
+    fields = dict(rollout_engine="sglang", rollout_engine_python=python, colocate=False, actor_num_gpus_per_node=1,
+                  rollout_num_gpus=1, rollout_batch_size=4, n_samples_per_prompt=2, global_batch_size=8,
+                  rollout_max_response_len=16, eval_interval=None, update_weight_timeout=120.0,
+                  update_weight_buffer_size=64 * 1024)
+    fields.update(over)
+    return Recipe(**fields)
+
+
+@pytest.fixture(scope="module")
+def engine(sglang_python, sglang_model, tmp_path_factory):
+    use_engine_api_key(API_KEY)
+    actor = EngineActor(recipe(sglang_python), engine_index=0, model_path=sglang_model, gpu_ids=[],
+                        host="127.0.0.1", backend="sglang", startup_timeout=600,
+                        log_dir=str(tmp_path_factory.mktemp("sglang-logs")))
+    actor.start()
+    yield actor
+    actor.close()
+
+
+def generate(engine: EngineActor, prompts: list[list[int]], **params) -> list[dict]:
+    return engine.generate({"input_ids": prompts, "return_logprob": True, "logprob_start_len": 0,
+                            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True,
+                                                "spaces_between_special_tokens": False, **params}})
+
+
+def hf_logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
+
+
+def test_generate_with_logprobs_through_raygyms_client(engine, sglang_model):
+    from transformers import AutoModelForCausalLM
+
+    info = engine.engine_info()
+    assert info["kind"] == "sglang" and info["version"] == "0.5.18" and info["device"] == "cpu"
+    prompts = [[3, 4, 5, 6], [10, 11, 12]]
+    out = generate(engine, prompts, sampling_seed=7)
+    assert isinstance(out, list) and len(out) == 2
+    model = AutoModelForCausalLM.from_pretrained(sglang_model, dtype=torch.float32).eval()
+    for prompt, answer in zip(prompts, out, strict=True):
+        meta = answer["meta_info"]
+        tokens = [t for _, t, _ in meta["output_token_logprobs"]]
+        assert tokens == answer["output_ids"] and len(tokens) == 6
+        assert meta["finish_reason"]["type"] == "length" and meta["weight_version"] == "0"
+        assert meta["input_token_logprobs"][0][0] is None and len(meta["input_token_logprobs"]) == len(prompt)
+        want = hf_logprobs(model, prompt, tokens)
+        got = [lp for lp, _, _ in meta["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 0.05, (got, want)
+    info = engine.call("get_model_info")
+    assert info["weight_version"] == "0" and info["has_image_understanding"] is False
+
+
+def test_every_route_needs_the_api_key_but_health(engine):
+    url = engine.url()
+    assert httpx.post(f"{url}/generate", json={"input_ids": [1, 2]}, timeout=30).status_code == 401
+    assert httpx.post(f"{url}/update_weights_from_disk", json={"model_path": "/tmp"}, timeout=30).status_code == 401
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    assert "sglang-cpu-test-key" not in engine.log_tail(10_000)
+
+
+def test_pause_continue_flush_release_resume(engine):
+    assert engine.call("pause_generation", mode="abort")["status"] == "ok"
+    assert engine.call("flush_cache") is True
+    engine.call("continue_generation")
+    assert len(generate(engine, [[5, 6]])[0]["output_ids"]) == 6
+    engine.call("release_memory_occupation")
+    engine.call("resume_memory_occupation")
+    assert len(generate(engine, [[5, 6]])[0]["output_ids"]) == 6
+
+
+def make_sync(engine, sglang_python, trainer, **over) -> WeightSync:
+    sync = WeightSync(recipe(sglang_python, **over), [trainer], [engine.url()], engine_kind="sglang",
+                      spec_overrides={"master_address": "127.0.0.1"})
+    sync.setup()
+    return sync
+
+
+def assert_serves_trainer(engine, trainer, version: int) -> None:
+    assert engine.call("get_model_info")["weight_version"] == str(version)
+    prompt = [3, 4, 5, 6]
+    answer = generate(engine, [prompt], sampling_seed=11)[0]
+    tokens = answer["output_ids"]
+    got = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+    want = trainer.probe_log_probs([prompt], [tokens])[0]
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 0.05
+
+
+@pytest.mark.parametrize("transport", ["nccl", "disk"])
+def test_full_sync_is_verified_by_probe(engine, sglang_python, sglang_model, tmp_path, transport):
+    trainer = LocalTrainer(sglang_model, lr=2e-2)
+    sync = make_sync(engine, sglang_python, trainer, update_weight_transport=transport,
+                     update_weight_disk_dir=str(tmp_path / "sync"))
+    try:
+        for version in (1, 2, 3):
+            if version > 1:
+                trainer.train_step()
+            metrics = sync.push(version)
+            assert metrics["sync/mode"] == 0.0 and metrics["sync/full_resyncs"] == 0.0
+            assert metrics["sync/verified_versions"] == 1.0 and metrics["sync/probe_tokens"] > 0
+            assert metrics["sync/probe_logprob_diff_mean"] <= 0.1
+            assert_serves_trainer(engine, trainer, version)
+    finally:
+        sync.shutdown()
+
+
+class DroppingTrainer(LocalTrainer):
+    """Sends every tensor but one: what a name SGLang's loader silently skips looks like to the engine."""
+
+    def hf_weights(self):
+        for name, t in super().hf_weights():
+            if name != "lm_head.weight":
+                yield name, t
+
+
+def test_a_tensor_that_never_arrives_fails_the_probe(engine, sglang_python, sglang_model, tmp_path):
+    reset = make_sync(engine, sglang_python, LocalTrainer(sglang_model), update_weight_transport="disk",
+                      update_weight_disk_dir=str(tmp_path / "reset"))
+    reset.push(1)  # the engine holds the checkpoint again (earlier tests trained it)
+    reset.shutdown()
+    trainer = DroppingTrainer(sglang_model, lr=2e-1)
+    sync = make_sync(engine, sglang_python, trainer, update_weight_transport="disk",
+                     update_weight_disk_dir=str(tmp_path / "sync"))
+    try:
+        sync.push(1)  # lm_head is still the checkpoint's: the trainer has not moved yet
+        for _ in range(3):
+            trainer.train_step()
+        with pytest.raises(WeightSyncError, match="probe log-probs differ"):
+            sync.push(2)
+        assert sync.full_resyncs == 1  # one full resync was tried before giving up
+    finally:
+        sync.shutdown()
+
+
+def test_delta_over_disk_through_the_custom_loader(engine, sglang_python, sglang_model, tmp_path):
+    trainer = LocalTrainer(sglang_model, lr=2e-2)
+    sync = make_sync(engine, sglang_python, trainer, update_weight_transport="disk", update_weight_mode="delta",
+                     update_weight_disk_dir=str(tmp_path / "sync"))
+    history = []
+    for version in (1, 2, 3):
+        if version > 1:
+            trainer.train_step()
+        history.append(sync.push(version))
+        assert_serves_trainer(engine, trainer, version)
+    assert [m["sync/mode"] for m in history] == [0.0, 1.0, 1.0]
+    assert all(m["sync/full_resyncs"] == 0.0 for m in history)
+    assert history[1]["sync/bytes"] < history[0]["sync/bytes"]
+    assert list((tmp_path / "sync").iterdir()) == []  # acknowledged versions are removed
+    sync.shutdown()
+
+
+def test_a_delta_the_engine_cannot_apply_is_reported_and_resynced(engine, sglang_python, sglang_model, tmp_path):
+    """An engine whose host snapshot is gone (a restart, here a fresh sender's first delta after the engine's
+    snapshot went stale) answers through its acknowledgement; the coordinator resyncs in full."""
+    trainer = LocalTrainer(sglang_model, lr=2e-2)
+    sync = make_sync(engine, sglang_python, trainer, update_weight_transport="disk", update_weight_mode="delta",
+                     update_weight_disk_dir=str(tmp_path / "sync"), update_weight_encoding="deltas")
+    sync.push(1)
+    engine.restart()  # the new process holds no snapshot
+    sync.links[0].base_url = engine.url()
+    trainer.train_step()
+    metrics = sync.push(2)
+    assert metrics["sync/full_resyncs"] == 1.0 and metrics["sync/mode"] == 0.0
+    assert_serves_trainer(engine, trainer, 2)
+    sync.shutdown()
+
+
+def test_engine_restart_serves_again_and_takes_a_full_sync(engine, sglang_python, sglang_model):
+    before = engine.url()
+    start = time.monotonic()
+    after = engine.restart()
+    assert after != before and engine.alive() and time.monotonic() - start < 600
+    assert len(generate(engine, [[2, 3]])[0]["output_ids"]) == 6
+    trainer = LocalTrainer(sglang_model)
+    sync = make_sync(engine, sglang_python, trainer)
+    assert sync.push(1)["sync/verified_versions"] == 1.0
+    sync.shutdown()
+
+
+def test_a_sync_that_cannot_verify_fails_loudly(engine, sglang_python, sglang_model):
+    """Probe tolerance 0 on bf16-vs-fp32 noise can never pass: the push must raise, not report success."""
+    trainer = LocalTrainer(sglang_model)
+    sync = make_sync(engine, sglang_python, trainer, update_weight_probe_tolerance=1e-12)
+    with pytest.raises(WeightSyncError, match="probe log-probs differ"):
+        sync.push(1)
+    sync.shutdown()
