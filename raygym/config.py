@@ -419,8 +419,8 @@ class Recipe(_Section):
     balance_data: bool = _f(False, "Rebalance kept samples across data-parallel ranks.")
     rm_type: str | None = _f(
         None,
-        "Built-in reward: 'math', 'math_verify', 'gsm8k', 'exact' or 'next_digit' (the builtin task). "
-        "Leave unset for a custom reward.",
+        "Built-in reward (next_digit scores the builtin task; math_verify needs raygym[math]). Leave unset "
+        "for a custom reward.",
     )
     reward_functions: dict[str, float] | None = _f(
         None,
