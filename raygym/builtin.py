@@ -97,7 +97,15 @@ def materialize_model(uri: str, directory: str | os.PathLike, seed: int = 0, **o
         return str(path)
     model, tok = build_tiny_model(seed, **overrides)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a 0.3 MB write needs no progress bar in the run's output
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     tok.save_pretrained(tmp)
     try:
         os.replace(tmp, path)

@@ -82,11 +82,12 @@ def _jsonl_rows(url: str, where: str) -> Iterator[tuple[int, Any]]:
         for line_no, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
+            text = line.rstrip("\r\n")
             try:
-                yield line_no, json.loads(line)
+                yield line_no, json.loads(text)
             except json.JSONDecodeError as exc:
                 raise ConfigError(
-                    f"{where} line {line_no}: not valid JSON ({exc.msg} at column {exc.colno}); each line must "
+                    f"{where} line {line_no}: not valid JSON ({exc.msg} at column {exc.pos + 1}); each line must "
                     f"hold one JSON object: fix or delete line {line_no}"
                 ) from None
 

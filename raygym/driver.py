@@ -537,8 +537,8 @@ def train(cfg: Any) -> TrainResult:
     task = f"{Path(cfg.dataset.prompt_data).name}, reward {' + '.join(f.name for f in facts.rewards)}"
     curve = plot_reward_curve(history, run_dir / "reward_curve.png", title=f"raygym run {cfg.run_id} | {task}")
     if history:
-        console.print(summary_table(history, title=f"raygym run {cfg.run_id}",
-                                    note=loss_note(recipe.advantage_estimator)))
+        console.print(summary_table(history, title=f"raygym run {cfg.run_id}"))
+        console.print(loss_note(recipe.advantage_estimator), markup=False, highlight=False, soft_wrap=True)
     if curve:
         console.print(f"reward curve: {curve}", markup=False, highlight=False, soft_wrap=True)
     if progress is not None:

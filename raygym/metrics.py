@@ -264,15 +264,14 @@ def progress_line(row: Mapping[str, Any], num_steps: int, *, elapsed: float | No
         parts.append(f"elapsed {format_duration(elapsed)}")
     if eta is not None:
         parts.append(f"eta {format_duration(eta)}")
-    droppable = [p for p in parts if p.endswith("tok/s") or p.startswith("elapsed")]
-    while True:
-        for sep in ("  ", " "):
-            line = sep.join(parts)
-            if len(line) <= width:
-                return line
-        if not droppable:
+    throughput = parts[4]
+    tries = [("  ", parts), ("  ", [p for p in parts if p != throughput]), (" ", [p for p in parts if p != throughput]),
+             (" ", [p for p in parts if p != throughput and not p.startswith("elapsed")])]
+    for sep, kept in tries:
+        line = sep.join(kept)
+        if len(line) <= width:
             return line
-        parts.remove(droppable.pop(0))
+    return line
 
 
 # Rows of the summary table, in this order (those present in the run).
@@ -312,7 +311,9 @@ def summary_table(history: list[Mapping[str, Any]], title: str = "raygym run", n
         table.add_column(col, justify="right" if col != "metric" else "left")
     present = {k for r in history for k in r}
     keys = [k for k in SUMMARY_KEYS if k in present]
-    keys += sorted(k for k in present if k.startswith("rollout/reward/"))
+    components = sorted(k for k in present if k.startswith("rollout/reward/"))
+    if len(components) > 1:  # one function's mean is rollout/reward_mean itself
+        keys[1:1] = components
     keys += sorted(k for k in present if k.startswith("eval/") and k.endswith("reward_mean"))
     for key in keys:
         values = [r[key] for r in history if isinstance(r.get(key), (int, float))]

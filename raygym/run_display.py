@@ -58,11 +58,11 @@ def banner_lines(cfg: Any, facts: Any, *, trainer_backend: str, engine_kind: str
     first = recipe.start_rollout_id or 0
     lines.append(f"  steps      {first}-{recipe.num_rollout - 1} of num_rollout={recipe.num_rollout}"
                  f"{' (or after the checkpoint in --load)' if recipe.load else ''}; "
-                 f"checkpoint every {recipe.save_interval} -> {cfg.checkpoint_dir}")
+                 f"checkpoints every {recipe.save_interval} and at the end -> {cfg.checkpoint_dir}")
     critic = f" + critic on {_plural(alloc.critic_gpus, 'GPU')}" if alloc.critic_gpus else ""
     lines.append(f"  trainer    {trainer_backend} on {_plural(alloc.actor_gpus, 'GPU')}{critic}")
     layout = "sharing the trainer's GPUs" if alloc.colocate else "on their own GPUs"
-    lines.append(f"  engines    {alloc.rollout_engines} {engine_kind} x "
+    lines.append(f"  engines    {alloc.rollout_engines} {engine_kind} engine{'' if alloc.rollout_engines == 1 else 's'} x "
                  f"{_plural(alloc.rollout_num_gpus_per_engine, 'GPU')}, {layout}")
     if logical_gpus:
         lines.append(f"  GPUs       {alloc.total_gpus} logical: no CUDA here, so Ray places the work as on a "
