@@ -293,12 +293,14 @@ SUMMARY_KEYS = (
 
 
 def loss_note(advantage_estimator: str) -> str:
-    """One line on what ``train/loss`` means for this estimator (the summary table's caption)."""
+    """One line printed under the summary table: what ``train/loss`` means for this estimator.
+
+    >>> loss_note("grpo")
+    'note: train/loss is ~0 by design in grpo (centred advantages at ratio 1); watch reward'
+    """
     if advantage_estimator == "ppo":
-        return ("train/loss: PPO's clipped policy loss, near 0 on the first pass over fresh samples; "
-                "critic/value_loss should fall.")
-    return (f"train/loss: {advantage_estimator}'s clipped policy loss is ~0 by construction (group-centred "
-            "advantages at ratio 1); watch reward, approx_kl and grad_norm.")
+        return "note: train/loss is PPO's policy loss, ~0 on fresh samples; critic/value_loss should fall"
+    return f"note: train/loss is ~0 by design in {advantage_estimator} (centred advantages at ratio 1); watch reward"
 
 
 def summary_table(history: list[Mapping[str, Any]], title: str = "raygym run", note: str | None = None):
