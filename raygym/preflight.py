@@ -75,7 +75,7 @@ def check_rewards(cfg: Any, data: DataSummary) -> list[Any]:
         if missing:
             raise ConfigError(
                 f"reward function {f.name!r} ({f.source}) takes {', '.join(map(repr, missing))} but prompt_data="
-                f"{prompt_data!r} has no such column (its columns: {', '.join(data.columns)}); rename the "
+                f"{prompt_data!r} has no such column (its columns: {', '.join(sorted(data.columns))}); rename the "
                 "parameter to a column, give it a default, or point --label-key/--input-key at other columns"
             )
     return functions
