@@ -332,7 +332,7 @@ class RewardModel:
         return any(f.per_group for f in self.functions)
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
             result = fn(*args, **kwargs)
         else:
             loop = asyncio.get_running_loop()
