@@ -24,6 +24,7 @@ from typing import Any
 BUILTIN_PREFIX = "builtin:"
 TINY_MODEL = "builtin:tiny-qwen3"
 NEXT_DIGIT_TASK = "builtin:next-digit"
+NEXT_DIGIT_ROWS = 1024  # rows of the materialised next-digit dataset
 
 PAD, EOS = "<|pad|>", "<|eos|>"
 # One token per character; small so a random model can learn the task in minutes.
@@ -96,7 +97,15 @@ def materialize_model(uri: str, directory: str | os.PathLike, seed: int = 0, **o
         return str(path)
     model, tok = build_tiny_model(seed, **overrides)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a 0.3 MB write needs no progress bar in the run's output
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     tok.save_pretrained(tmp)
     try:
         os.replace(tmp, path)
@@ -131,7 +140,7 @@ def next_digit_reward(response: str, label: str) -> float:
     return reward + (0.25 if len(text) == 1 else 0.0)
 
 
-def materialize_dataset(uri: str, directory: str | os.PathLike, seed: int = 0, n: int = 1024) -> str:
+def materialize_dataset(uri: str, directory: str | os.PathLike, seed: int = 0, n: int = NEXT_DIGIT_ROWS) -> str:
     """Write the builtin dataset ``uri`` as jsonl under ``directory`` and return its path."""
     if uri != NEXT_DIGIT_TASK:
         from raygym.errors import ConfigError

@@ -282,22 +282,40 @@ def write_hf_model(model_state: dict[str, torch.Tensor], hf_source: str, out_url
         src = Path(hf_source) / name
         if name != "config.json" and src.exists():
             Path(target, name).write_bytes(src.read_bytes())
+    _same_mode_as_config(Path(target))
     if not local:
         fs.put(target.rstrip("/") + "/", root, recursive=True)
         return fs.unstrip_protocol(root)
     return root
 
 
+def _same_mode_as_config(directory: Path) -> None:
+    """Give every file of an exported model the mode of its ``config.json`` (written with the process
+    umask); transformers writes ``model.safetensors`` through a private temp file (0600)."""
+    mode = (directory / "config.json").stat().st_mode & 0o777
+    for entry in directory.iterdir():
+        if entry.is_file() and entry.stat().st_mode & 0o777 != mode:
+            entry.chmod(mode)
+
+
+def checkpoint_to_export(checkpoint_dir: str) -> tuple[str, int]:
+    """(path, step) of the checkpoint ``raygym export`` reads: ``checkpoint_dir`` itself when it is one,
+    else the newest complete ``iter_*`` under it."""
+    fs, root = fsspec.core.url_to_fs(checkpoint_dir)
+    manifest = _read_manifest(fs, root)
+    if manifest is not None:
+        return checkpoint_dir, int(manifest["rollout_id"])
+    info = latest_checkpoint(checkpoint_dir)
+    if info is None:
+        raise ConfigError(f"checkpoint_dir={checkpoint_dir!r}: no complete raygym checkpoint found there; pass an "
+                          "iter_* directory or the save directory of a run")
+    return info.path, info.rollout_id
+
+
 def export_hf(checkpoint_dir: str, out_dir: str) -> str:
     """Export a raygym checkpoint (an ``iter_*`` directory, or a save directory: its newest complete one)
     as an HF model directory; used by ``raygym export``. Returns ``out_dir``."""
-    fs, root = fsspec.core.url_to_fs(checkpoint_dir)
-    path = checkpoint_dir
-    if not fs.exists(_join(root, MANIFEST)):
-        info = latest_checkpoint(checkpoint_dir)
-        if info is None:
-            raise ConfigError(f"checkpoint_dir={checkpoint_dir!r}: no complete raygym checkpoint found there")
-        path = info.path
+    path, _ = checkpoint_to_export(checkpoint_dir)
     ckpt = load_checkpoint(path, load_optimizer=False)
     fs, croot = fsspec.core.url_to_fs(path)
     with tempfile.TemporaryDirectory(prefix="raygym-hfsrc-") as src:

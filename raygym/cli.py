@@ -10,15 +10,18 @@ prints the ConfigError on stderr and exits with code 2.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
 import click
 
 from raygym.allocation import GpuAllocation
-from raygym.config import Recipe, TrainConfig, format_cli_help
+from raygym.cli_help import cli_help
+from raygym.config import Recipe, TrainConfig
 from raygym.errors import ConfigError, RaygymError
 
 USAGE_ERROR = 2
@@ -77,7 +80,8 @@ def allocation_rows(alloc: GpuAllocation) -> list[tuple[str, str, str]]:
 
 def allocation_summary(alloc: GpuAllocation) -> str:
     """One line: nodes, GPUs per role, engines, colocated or not."""
-    nodes = f"{alloc.total_nodes} node{'s' if alloc.total_nodes != 1 else ''} x {alloc.gpus_per_node} GPUs"
+    gpus = f"{alloc.gpus_per_node} GPU{'s' if alloc.gpus_per_node != 1 else ''}"
+    nodes = f"{alloc.total_nodes} node{'s' if alloc.total_nodes != 1 else ''} x {gpus}"
     layout = "colocated" if alloc.colocate else "disaggregated"
     return (
         f"{nodes}, {layout}: {alloc.actor_gpus} actor GPUs, {alloc.critic_gpus} critic GPUs, "
@@ -100,14 +104,26 @@ def compact_config(cfg: TrainConfig) -> list[str]:
     return lines
 
 
-def _print_plan(cfg: TrainConfig) -> None:
+def has_nvidia_gpu() -> bool:
+    """Whether the NVIDIA driver sees a GPU on this machine (checked without importing torch)."""
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
+
+
+def _note(message: str) -> None:
+    click.echo(f"raygym: note: {message}", err=True)
+
+
+def _print_plan(cfg: TrainConfig, cluster: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(highlight=False, soft_wrap=True)
     for line in compact_config(cfg):
         console.print(line, markup=False)
-    alloc = cfg.recipe.gpu_allocation()
+    with warnings.catch_warnings(record=True) as caught:  # the resolver's remarks are notes, not warnings
+        warnings.simplefilter("always")
+        alloc = cfg.recipe.gpu_allocation()
     table = Table(title="GPU allocation")
     for column in ("role", "node / GPUs", "note"):
         table.add_column(column)
@@ -115,6 +131,11 @@ def _print_plan(cfg: TrainConfig) -> None:
         table.add_row(*row)
     console.print(table)
     console.print(allocation_summary(alloc), markup=False)
+    for warning in caught:
+        _note(str(warning.message))
+    if not cluster and not has_nvidia_gpu():
+        _note(f"no NVIDIA GPU here: `raygym train` on this machine starts Ray with {alloc.total_gpus} logical "
+              "GPUs, so placement behaves as on GPU nodes while the work runs on the CPU")
 
 
 # ── commands ─────────────────────────────────────────────────────────────────────────────────────
@@ -156,11 +177,11 @@ def plan(ctx: click.Context) -> None:
     """
     args = list(ctx.args)
     if _wants_help(args):
-        click.echo(format_cli_help("raygym plan [--cluster ADDRESS]"))
+        click.echo(cli_help("raygym plan [--cluster ADDRESS]"))
         return
     args, cluster = _take_option(args, "--cluster")
     cfg = TrainConfig.from_cli_args(args)
-    _print_plan(cfg)
+    _print_plan(cfg, cluster)
     if cluster:
         from rich.console import Console
 
@@ -175,28 +196,46 @@ def train(ctx: click.Context) -> None:
     """Train. No flags: the tiny preset on the built-in model and task (CPU, minutes)."""
     args = list(ctx.args)
     if _wants_help(args):
-        click.echo(format_cli_help("raygym train"))
+        click.echo(cli_help("raygym train"))
         return
     cfg = TrainConfig.from_cli_args(args)
     from raygym.driver import train as run_training
 
     result = run_training(cfg)
-    click.echo(f"run directory: {result.run_dir}")
-    click.echo(f"metrics:       {result.metrics_path} ({result.final_step + 1} steps)")
+    for line in result_lines(result):
+        click.echo(line)
+
+
+def result_lines(result: object) -> list[str]:
+    """What ``raygym train`` prints at the end: run dir, metrics (which steps, how many rows), the last
+    checkpoint and the HF export."""
+    from raygym.driver import TrainResult
+
+    assert isinstance(result, TrainResult)
+    metrics = Path(result.metrics_path)
+    rows = sum(1 for line in metrics.read_text().splitlines() if line.strip()) if metrics.exists() else 0
+    ran = (f"steps {result.steps[0]['step']}-{result.steps[-1]['step']} this run" if result.steps
+           else "no step this run")
+    lines = [f"run directory: {result.run_dir}", f"metrics:       {result.metrics_path} ({ran}; {rows} rows)"]
     if result.checkpoint_paths:
-        click.echo(f"checkpoint:    {result.checkpoint_paths[-1]}")
+        last = result.checkpoint_paths[-1]
+        lines.append(f"checkpoint:    {last} (after step {int(last.rstrip('/').rsplit('_', 1)[-1])})")
     if result.hf_export_path:
-        click.echo(f"HF export:     {result.hf_export_path}")
+        lines.append(f"HF export:     {result.hf_export_path}")
+    return lines
 
 
 @app.command()
 @click.argument("checkpoint_dir")
 @click.argument("out_dir")
 def export(checkpoint_dir: str, out_dir: str) -> None:
-    """Export a raygym checkpoint directory to a Hugging Face model directory."""
-    from raygym.checkpoint import export_hf
+    """Export a raygym checkpoint (an iter_* directory, or a save directory: its newest complete one) to a
+    Hugging Face model directory."""
+    from raygym.checkpoint import checkpoint_to_export, export_hf
 
-    click.echo(export_hf(checkpoint_dir, out_dir))
+    path, rollout_id = checkpoint_to_export(checkpoint_dir)
+    click.echo(f"exporting {path} (saved after step {rollout_id}) ...")
+    click.echo(f"exported step {rollout_id} to {export_hf(path, out_dir)}")
 
 
 @app.command(context_settings=_PASS_THROUGH)
@@ -215,7 +254,12 @@ def bench(ctx: click.Context, name: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``raygym`` console script; returns the exit code."""
+    """Entry point of the ``raygym`` console script; returns the exit code.
+
+    The working directory goes on ``sys.path`` (as with ``python -m``), so ``--custom-rm-function
+    my_rewards:score`` finds ``./my_rewards.py``; Ray's workers on this machine get the same path."""
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         app.main(args=list(sys.argv[1:] if argv is None else argv), prog_name="raygym", standalone_mode=False)
     except ConfigError as exc:

@@ -39,6 +39,7 @@ from raygym.errors import ConfigError
 from raygym.rollout.capabilities import check_weight_sync
 
 __all__ = [
+    "RM_TYPES",
     "ConfigError",
     "DatasetConfig",
     "GpuAllocation",
@@ -282,6 +283,9 @@ _RECIPE_CHOICES: dict[str, tuple[Any, ...]] = {
     "update_weight_pause_mode": ("abort", "in_place"),
 }
 
+# The built-in rewards (``rm_type``); raygym.rewards.BUILTIN_REWARDS holds them under these names.
+RM_TYPES = ("math", "math_verify", "gsm8k", "exact", "next_digit")
+
 # Counts that must be >= 1 (None allowed where the field is optional).
 _RECIPE_POSITIVE = (
     "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine",
@@ -414,7 +418,17 @@ class Recipe(_Section):
         None, "Import path of the predicate that selects sample groups ('pkg.module:function')."
     )
     balance_data: bool = _f(False, "Rebalance kept samples across data-parallel ranks.")
-    rm_type: str | None = _f(None, "Built-in reward function name. Leave unset for a custom reward.")
+    rm_type: str | None = _f(
+        None,
+        "Built-in reward (next_digit scores the builtin task; math_verify needs raygym[math]). Leave unset "
+        "for a custom reward.",
+    )
+    reward_functions: dict[str, float] | None = _f(
+        None,
+        "Several rewards summed with weights, {name: weight}: built-in rm_type names or import paths "
+        "('pkg.module:function'); each is logged as rollout/reward/<name>. Overrides rm_type and "
+        "custom_rm_function.",
+    )
     capture_trace: bool = _f(False, "Attach sampled per-request execution traces to recorded rollouts.")
     trace_sample_limit: int = _f(16, "Maximum traced samples per rollout when capture_trace is enabled.")
     substep_timing: str = _f("auto", "Per-substep timing metrics: 'auto' or 'off'.")
@@ -521,7 +535,10 @@ class Recipe(_Section):
 
     # ── custom functions (a callable, or an import path 'pkg.module:function') ──
     custom_rm_function: CustomFunction = _f(
-        None, "Reward function (prompt, response, label, metadata) -> float."
+        None,
+        "Reward function, called as its signature says: fn(sample), fn(prompt, response, label, metadata), "
+        "fn(samples) -> list, TRL's fn(prompts, completions, **columns) -> list[float | None] or verl's "
+        "compute_score(data_source, solution_str, ground_truth, extra_info).",
     )
     custom_generate_function: CustomFunction = _f(None, "Custom generation step for one sample.")
     custom_reward_post_process_function: CustomFunction = _f(
@@ -616,6 +633,19 @@ class Recipe(_Section):
                 raise ConfigError(f"{field}={value!r}: must be a callable or 'pkg.module:function'")
             _check_import_path(field, value)
         _check_import_path("dynamic_sampling_filter_path", self.dynamic_sampling_filter_path)
+        if self.rm_type is not None and self.rm_type not in RM_TYPES:
+            raise ConfigError(
+                f"rm_type={self.rm_type!r}: unknown built-in reward; pass --rm-type with one of "
+                f"{', '.join(map(repr, RM_TYPES))}, or --custom-rm-function pkg.module:function"
+            )
+        for key, weight in (self.reward_functions or {}).items():
+            if key not in RM_TYPES and (not _IMPORT_PATH.match(key) or ("." not in key and ":" not in key)):
+                raise ConfigError(
+                    f"reward_functions key {key!r}: neither a built-in reward ({', '.join(RM_TYPES)}) nor an "
+                    "import path; write it as 'pkg.module:function'"
+                )
+            if not math.isfinite(weight):
+                raise ConfigError(f"reward_functions[{key!r}]={weight!r}: a weight must be a finite number")
         if self.rollout_stop_token_ids and min(self.rollout_stop_token_ids) < 0:
             raise ConfigError(f"rollout_stop_token_ids={self.rollout_stop_token_ids!r}: token ids are >= 0")
         _check_no_secrets("environment", self.environment)

@@ -34,14 +34,31 @@ from raygym.errors import ConfigError
 PROMPT_LEN_POLICIES = ("filter", "truncate")
 
 
-class PromptRow(NamedTuple):
-    """One prompt handed to the rollout: unpacks as ``(data_index, prompt, label, metadata, prompt_tokens)``."""
-
+class _PromptRowFields(NamedTuple):
     data_index: int  # row number in the source file (0-based, before any filtering)
     prompt: Any  # the raw input: a string or a list of chat messages
     label: Any
     metadata: dict[str, Any]
     prompt_tokens: list[int]
+
+
+class PromptRow(_PromptRowFields):
+    """One prompt handed to the rollout: unpacks as ``(data_index, prompt, label, metadata, prompt_tokens)``.
+
+    ``columns`` (an attribute, not part of the tuple) holds every column of the row but the prompt's,
+    for reward functions that take data columns by name (TRL, verl).
+    """
+
+    columns: dict[str, Any]
+
+    def __new__(cls, data_index: int, prompt: Any, label: Any, metadata: dict[str, Any],
+                prompt_tokens: list[int], columns: Mapping[str, Any] | None = None) -> PromptRow:
+        row = super().__new__(cls, data_index, prompt, label, metadata, prompt_tokens)
+        row.columns = dict(columns or {})
+        return row
+
+    def _replace(self, **changes: Any) -> PromptRow:
+        return PromptRow(*super()._replace(**changes), columns=self.columns)
 
 
 def _data_format(url: str, fmt: str | None) -> str:
@@ -223,7 +240,8 @@ class PromptDataset:
             raise ConfigError(f"{where}: input_key {input_key!r} {e}") from None
         tokens = list(tokenizer.encode(text, add_special_tokens=False))
         label = row[label_key] if label_key else None
-        return PromptRow(index, prompt, label, metadata, tokens)
+        columns = {k: v for k, v in row.items() if k != input_key}
+        return PromptRow(index, prompt, label, metadata, tokens, columns)
 
     @classmethod
     def from_url(

@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,11 +36,13 @@ from raygym.metrics import (
     MetricsLogger,
     PhaseTimer,
     apply_substep_timing,
+    loss_note,
     plot_reward_curve,
     progress_line,
     summary_table,
     write_traces,
 )
+from raygym.run_display import StepProgress, banner_lines
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,13 @@ class TrainResult:
     steps: list[dict[str, Any]] = field(default_factory=list)  # one metrics row per step of this run
     events: list[str] = field(default_factory=list)  # phase order, see Loop.events
 
+    def __repr__(self) -> str:
+        ran = (f"steps {self.steps[0]['step']}-{self.steps[-1]['step']}" if self.steps else "no steps")
+        last = self.checkpoint_paths[-1] if self.checkpoint_paths else None
+        return (f"TrainResult(run_dir={self.run_dir!r}, final_step={self.final_step}, {ran} this run, "
+                f"checkpoints={len(self.checkpoint_paths)} (last {last!r}), hf_export_path={self.hf_export_path!r}, "
+                f"metrics_path={self.metrics_path!r})")
+
 
 def _console():
     from rich.console import Console
@@ -65,13 +74,17 @@ def _console():
     return Console(highlight=False)
 
 
-def connect_ray(total_gpus: int) -> bool:
+def connect_ray(total_gpus: int, stack: ExitStack | None = None) -> bool:
     """Attach to the Ray of this process, of ``RAY_ADDRESS`` (``ray job submit``), or start a local one.
 
     Returns True when this call started Ray (so the run shuts it down at the end). On a machine
     without GPUs a local Ray gets ``total_gpus`` logical GPUs, so placement behaves as on a GPU node.
+    A local Ray started here keeps token auth with a private token (:mod:`raygym.ray_auth`), entered on
+    ``stack``, which the caller closes after ``ray.shutdown()``.
     """
     import ray
+
+    from raygym.ray_auth import private_cluster_auth
 
     if ray.is_initialized():
         return False
@@ -83,6 +96,8 @@ def connect_ray(total_gpus: int) -> bool:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else total_gpus
+    if stack is not None:
+        stack.enter_context(private_cluster_auth())
     ray.init(
         address="local",
         num_cpus=max(os.cpu_count() or 1, 2) + total_gpus,
@@ -91,6 +106,20 @@ def connect_ray(total_gpus: int) -> bool:
         log_to_driver=os.environ.get("RAYGYM_WORKER_LOGS", "0") == "1",
     )
     return True
+
+
+def _banner(cfg: Any, facts: Any) -> list[str]:
+    """The start-up banner (:func:`raygym.run_display.banner_lines`) with the resolved trainer backend
+    and engine kind."""
+    import torch
+
+    from raygym.graph import choose_rollout_engine
+    from raygym.trainer.actor import choose_backend
+
+    local = not os.environ.get("RAY_ADDRESS")
+    return banner_lines(cfg, facts, trainer_backend=choose_backend(cfg.recipe.trainer_backend),
+                        engine_kind=choose_rollout_engine(cfg.recipe.rollout_engine),
+                        logical_gpus=local and not torch.cuda.is_available())
 
 
 def _should(interval: int | None, step: int, last_step: int) -> bool:
@@ -134,6 +163,7 @@ class Loop:
         self.rows: list[dict[str, Any]] = []
         self.events: list[str] = []
         self.engine_rebuilds = 0  # weight-sync rebuilds after engine restarts
+        self.progress: Any = None  # raygym.run_display.StepProgress; None prints plain step lines
 
     # ---- phases ---------------------------------------------------------------------------------
     @staticmethod
@@ -180,15 +210,16 @@ class Loop:
         infos = self._trainers("load_checkpoint")
         info = infos[0]
         if info is None:
-            self.console.print(f"[yellow]load={self.recipe.load!r}: no complete checkpoint; starting fresh[/]")
+            self.console.print(f"[yellow]load={self.recipe.load!r}: no complete checkpoint there; starting at step "
+                               f"{start}[/]")
             return start
         extra = info.get("extra") or {}
         if extra.get("data_state") is not None:
             ray.get(self.graph.manager.load_data_state.remote(extra["data_state"]))
         self._critics("load_checkpoint", None, int(info["rollout_id"]))
         self.version = int(info["start_rollout_id"])
-        self.console.print(f"resumed from {info['path']} (rollout {info['rollout_id']}); "
-                           f"continuing at step {info['start_rollout_id']}")
+        self.console.print(f"resumed from {info['path']} (saved after step {info['rollout_id']}); "
+                           f"continuing at step {info['start_rollout_id']}", markup=False)
         # The engines still hold the initial weights: give them the checkpoint's.
         self.graph.weight_sync.push(self.version)
         return int(info["start_rollout_id"])
@@ -374,7 +405,10 @@ class Loop:
                 _call_log_hook(recipe.custom_rollout_log_function, "custom_rollout_log_function", step, samples, row)
             logged = self.metrics.log(step, apply_substep_timing(row, recipe.substep_timing))
             self.rows.append(logged)
-            self.console.print(progress_line(logged, recipe.num_rollout))
+            if self.progress is not None:
+                self.progress.step(logged)
+            else:
+                self.console.print(progress_line(logged, recipe.num_rollout), soft_wrap=True)
             final = step
         return final
 
@@ -439,39 +473,57 @@ def train(cfg: Any) -> TrainResult:
     ``{dataset name: list[Sample]}``; ``metrics_row`` the ``eval/*`` dict). Either may return a dict
     of extra metrics, merged into the row.
     """
-    import ray
-
-    from raygym.builtin import resolve_model_path
-    from raygym.graph import build_graph, last_complete_checkpoint, preflight_engine, raise_actor_death
+    started = time.monotonic()
+    from raygym.preflight import preflight
 
     console = _console()
     recipe = cfg.recipe
     apply_substep_timing({}, recipe.substep_timing)  # a bad value fails before any resource is taken
-    preflight_engine(recipe)
+    facts = preflight(cfg)  # data, rewards, model path, writable directories: ConfigError before Ray
+    import ray
+
+    from raygym.builtin import resolve_model_path
+    from raygym.graph import (
+        build_graph,
+        config_error_of,
+        last_complete_checkpoint,
+        preflight_engine,
+        raise_actor_death,
+    )
+
+    preflight_engine(recipe)  # the engine can run here and take the configured weight sync
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    for line in _banner(cfg, facts):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     model_path = resolve_model_path(cfg.model.hf_checkpoint, run_dir / "cache", seed=0)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_checkpoint": model_path})})
     (run_dir / "config.json").write_text(json.dumps(cfg.to_json_dict(), indent=2, default=str) + "\n")
-    console.print(f"[bold]raygym[/] run {cfg.run_id} -> {run_dir}")
 
-    owns_ray = connect_ray(recipe.gpu_allocation().total_gpus)
+    auth = ExitStack()
+    owns_ray = connect_ray(recipe.gpu_allocation().total_gpus, auth)
     graph = None
     loop = None
-    final = -1
+    start = final = -1
     hf_path = None
     fast_release = True
+    progress = None
     try:
         graph = build_graph(cfg, model_path, run_dir, say=console.print)
         loop = Loop(cfg, graph, console)
         start = loop.resume()
         with MetricsLogger(run_dir, cfg.metrics, run_id=cfg.run_id, config_dict=cfg.to_json_dict(),
-                           resume_from_step=start if recipe.load else None) as metrics:
+                           resume_from_step=start if recipe.load else None) as metrics, \
+                StepProgress(console, start, recipe.num_rollout) as progress:
+            loop.progress = progress
             final = loop.run(start, metrics)
         if loop.checkpoints:
             hf_path = loop._trainers("export_hf", str(run_dir / "hf"))[0]
         fast_release = False
     except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
+        user_error = config_error_of(exc)  # a ConfigError raised while an actor was created
+        if user_error is not None:
+            raise user_error from None
         raise_actor_death(exc, graph, last_complete_checkpoint(cfg.checkpoint_dir))
     except ray.exceptions.RayTaskError as exc:
         if isinstance(exc.cause, ConfigError):  # a user mistake found inside an actor: say it plainly
@@ -486,13 +538,19 @@ def train(cfg: Any) -> TrainResult:
                 graph.shutdown(fast=fast_release)
             if owns_ray:
                 ray.shutdown()
+            auth.close()
 
     history = loop.metrics.history if loop and loop.metrics else []
-    curve = plot_reward_curve(history, run_dir / "reward_curve.png")
+    task = f"{Path(cfg.dataset.prompt_data).name}, reward {' + '.join(f.name for f in facts.rewards)}"
+    curve = plot_reward_curve(history, run_dir / "reward_curve.png", title=f"raygym run {cfg.run_id} | {task}")
     if history:
         console.print(summary_table(history, title=f"raygym run {cfg.run_id}"))
+        console.print(loss_note(recipe.advantage_estimator), markup=False, highlight=False, soft_wrap=True)
     if curve:
-        console.print(f"reward curve: {curve}")
+        console.print(f"reward curve: {curve}", markup=False, highlight=False, soft_wrap=True)
+    if progress is not None:
+        console.print(progress.final_line(start, final, str(run_dir), time.monotonic() - started),
+                      markup=False, highlight=False, soft_wrap=True)
     return TrainResult(
         run_dir=str(run_dir),
         metrics_path=str(run_dir / "metrics.jsonl"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,9 +216,28 @@ def checkpoint_dtype(model_path: str) -> str | None:
     return dtype if dtype in ("bfloat16", "float16", "float32") else None
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_CONFIG_ERROR_LINE = "raygym.errors.ConfigError: "
+
+
+def plain_text(text: str) -> str:
+    """``text`` without terminal colour codes (Ray colours the actor names in its error texts)."""
+    return _ANSI.sub("", text)
+
+
+def config_error_of(exc: BaseException) -> ConfigError | None:
+    """The user mistake behind an actor's death, when the actor's ``__init__`` raised a ConfigError
+    (Ray keeps only the text of such an error: its traceback ends with the ConfigError's message)."""
+    text = plain_text(str(exc))
+    at = text.rfind(_CONFIG_ERROR_LINE)
+    if not getattr(exc, "_actor_init_failed", False) or at < 0:
+        return None
+    return ConfigError(text[at + len(_CONFIG_ERROR_LINE):].strip())
+
+
 def describe_actor_death(exc: BaseException, graph: RunGraph | None) -> str:
     """A one-line explanation of which actor died, for the error the run fails with."""
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    text = plain_text(str(exc)).splitlines()[0] if str(exc) else type(exc).__name__
     if graph is None:
         return text
     handles = {"trainer": graph.trainers.handles if graph.trainers else [],

@@ -223,36 +223,100 @@ def write_traces(run_dir: str | os.PathLike, step: int, samples: list[Any]) -> s
     return str(path)
 
 
-def progress_line(row: Mapping[str, Any], num_steps: int) -> str:
-    """The one-line per-step summary the driver prints (rich markup)."""
+def format_duration(seconds: float) -> str:
+    """``m:ss`` or ``h:mm:ss``.
+
+    >>> format_duration(65.2), format_duration(3725)
+    ('1:05', '1:02:05')
+    """
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+LINE_WIDTH = 79  # per-step lines stay on one line of an 80-column terminal or log
+
+
+def progress_line(row: Mapping[str, Any], num_steps: int, *, elapsed: float | None = None,
+                  eta: float | None = None, width: int = LINE_WIDTH) -> str:
+    """The one-line per-step summary the driver prints: the step id (numbered from 0, as in
+    metrics.jsonl and the checkpoints' ``iter_*``), ``[steps done/num_steps]``, reward, response length,
+    seconds per step, throughput and, when given, the time so far and the estimated time left.
+    Never longer than ``width``: the spacing tightens, then throughput and elapsed time drop out.
+
+    >>> progress_line({"step": 4, "rollout/reward_mean": 0.5, "perf/step_time": 1.25}, 10, eta=6.2)
+    'step 4 [5/10]  reward 0.500  len -  1.25s/step  - tok/s  eta 0:06'
+    """
     def f(key: str, fmt: str) -> str:
         v = row.get(key)
-        return format(v, fmt) if isinstance(v, (int, float)) else "-"
+        return format(v, fmt) if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
 
-    return (
-        f"[bold]step {row['step'] + 1}/{num_steps}[/bold]  reward {f('rollout/reward_mean', '.3f')}  "
-        f"resp_len {f('rollout/response_len_mean', '.1f')}  step {f('perf/step_time', '.2f')}s  "
-        f"(rollout {f('perf/rollout_time', '.2f')}s, train {f('perf/train_time', '.2f')}s, "
-        f"sync {f('perf/sync_time', '.2f')}s)  {f('perf/tokens_per_s', '.0f')} tok/s"
-    )
+    step = int(row["step"])
+    parts = [
+        f"step {step} [{step + 1}/{num_steps}]",
+        f"reward {f('rollout/reward_mean', '.3f')}",
+        f"len {f('rollout/response_len_mean', '.1f')}",
+        f"{f('perf/step_time', '.2f')}s/step",
+        f"{f('perf/tokens_per_s', '.0f')} tok/s",
+    ]
+    if elapsed is not None:
+        parts.append(f"elapsed {format_duration(elapsed)}")
+    if eta is not None:
+        parts.append(f"eta {format_duration(eta)}")
+    throughput = parts[4]
+    tries = [("  ", parts), ("  ", [p for p in parts if p != throughput]), (" ", [p for p in parts if p != throughput]),
+             (" ", [p for p in parts if p != throughput and not p.startswith("elapsed")])]
+    for sep, kept in tries:
+        line = sep.join(kept)
+        if len(line) <= width:
+            return line
+    return line
 
 
-def summary_table(history: list[Mapping[str, Any]], title: str = "raygym run"):
-    """A rich Table with first/last/best of the main curves."""
+# Rows of the summary table, in this order (those present in the run).
+SUMMARY_KEYS = (
+    "rollout/reward_mean",
+    "rollout/response_len_mean",
+    "train/loss",
+    "train/grad_norm",
+    "train/approx_kl",
+    "train/clipfrac",
+    "train/entropy",
+    "critic/value_loss",
+    "critic/value_clipfrac",
+    "critic/value_mean",
+    "critic/returns_mean",
+    "perf/step_time",
+    "perf/tokens_per_s",
+)
+
+
+def loss_note(advantage_estimator: str) -> str:
+    """One line printed under the summary table: what ``train/loss`` means for this estimator.
+
+    >>> loss_note("grpo")
+    'note: train/loss is ~0 by design in grpo (centred advantages at ratio 1); watch reward'
+    """
+    if advantage_estimator == "ppo":
+        return "note: train/loss is PPO's policy loss, ~0 on fresh samples; critic/value_loss should fall"
+    return f"note: train/loss is ~0 by design in {advantage_estimator} (centred advantages at ratio 1); watch reward"
+
+
+def summary_table(history: list[Mapping[str, Any]], title: str = "raygym run", note: str | None = None):
+    """A rich Table with first/last/min/max of the main curves (reward, length, loss, critic, eval);
+    ``note`` becomes its caption."""
     from rich.table import Table
 
-    table = Table(title=title)
+    table = Table(title=title, caption=note, caption_justify="left")
     for col in ("metric", "first", "last", "min", "max"):
         table.add_column(col, justify="right" if col != "metric" else "left")
-    keys = [
-        "rollout/reward_mean",
-        "rollout/response_len_mean",
-        "train/loss",
-        "train/grad_norm",
-        "perf/step_time",
-        "perf/tokens_per_s",
-    ]
-    keys += sorted({k for r in history for k in r if k.startswith("eval/") and k.endswith("reward_mean")})
+    present = {k for r in history for k in r}
+    keys = [k for k in SUMMARY_KEYS if k in present]
+    components = sorted(k for k in present if k.startswith("rollout/reward/"))
+    if len(components) > 1:  # one function's mean is rollout/reward_mean itself
+        keys[1:1] = components
+    keys += sorted(k for k in present if k.startswith("eval/") and k.endswith("reward_mean"))
     for key in keys:
         values = [r[key] for r in history if isinstance(r.get(key), (int, float))]
         if values:
@@ -260,8 +324,9 @@ def summary_table(history: list[Mapping[str, Any]], title: str = "raygym run"):
     return table
 
 
-def plot_reward_curve(history: list[Mapping[str, Any]], path: str | os.PathLike) -> str | None:
-    """Save a PNG of reward (and eval reward) per step; returns its path, or None with no data."""
+def plot_reward_curve(history: list[Mapping[str, Any]], path: str | os.PathLike, title: str | None = None) -> str | None:
+    """Save a PNG of reward (and eval reward) per step (the steps of metrics.jsonl, from 0; integer
+    ticks) titled ``title`` (run id and task); returns its path, or None with no data."""
     steps = [r["step"] for r in history if isinstance(r.get("rollout/reward_mean"), (int, float))]
     if not steps:
         return None
@@ -281,8 +346,13 @@ def plot_reward_curve(history: list[Mapping[str, Any]], path: str | os.PathLike)
     for key in sorted({k for r in history for k in r if k.startswith("eval/") and k.endswith("reward_mean")}):
         pts = [(r["step"], r[key]) for r in history if isinstance(r.get(key), (int, float))]
         ax.plot(*zip(*pts, strict=True), marker="s", linestyle="--", label=key)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
+    if title:
+        ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

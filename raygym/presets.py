@@ -7,6 +7,8 @@ the comment says so. Pure: no torch, no ray.
 
 >>> get_base_recipe(ModelConfig(hf_checkpoint="/models/Qwen3-4B")) == qwen3_4b()
 True
+>>> get_base_recipe("Qwen/Qwen3-8B") == qwen3_8b()
+True
 >>> PRESETS["qwen3_30b_a3b"]().total_nodes()
 2
 """
@@ -22,6 +24,7 @@ from raygym.errors import ConfigError
 
 __all__ = [
     "PRESETS",
+    "PRESET_NAMES",
     "default_model",
     "get_base_recipe",
     "get_preset",
@@ -155,6 +158,10 @@ PRESETS: dict[str, Callable[[], Recipe]] = _Registry(
     }
 )
 
+# The names presets are shown under (lookups also accept "qwen3_0_6b", "Qwen3-0.6B", ...).
+PRESET_NAMES = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b", "tiny")
+assert [_normalize(n) for n in PRESET_NAMES] == list(PRESETS), "PRESET_NAMES lists every preset, in order"
+
 # Per preset: HF id and the architecture numbers raygym checks (layers, hidden, experts, top-k).
 _MODELS: dict[str, dict[str, object]] = {
     "qwen3-0-6b": {"hf_checkpoint": "Qwen/Qwen3-0.6B", "num_layers": 28, "hidden_size": 1024},
@@ -181,7 +188,7 @@ _ALIASES = {"tiny-qwen3": "tiny"}
 
 
 def _registered() -> str:
-    return ", ".join(sorted(PRESETS))
+    return ", ".join(PRESET_NAMES)
 
 
 def get_preset(name: str) -> Recipe:
@@ -210,17 +217,25 @@ def preset_name_for(hf_checkpoint: str) -> str | None:
     return max(matches, key=len) if matches else None
 
 
-def get_base_recipe(model: ModelConfig) -> Recipe:
-    """The preset recipe for ``model``'s checkpoint ("Qwen/Qwen3-4B", "/models/Qwen3-4B", "builtin:tiny-qwen3").
+def get_base_recipe(model: ModelConfig | str) -> Recipe:
+    """The preset recipe for a checkpoint: a name such as "Qwen/Qwen3-8B", "/models/Qwen3-4B" or
+    "builtin:tiny-qwen3", or a ``ModelConfig`` holding one.
 
     Call it explicitly: a TrainConfig uses the recipe it is given. Raises ConfigError listing the
     registered models for a checkpoint with no preset.
     """
-    name = preset_name_for(model.hf_checkpoint)
+    if isinstance(model, ModelConfig):
+        checkpoint = model.hf_checkpoint
+    elif isinstance(model, str):
+        checkpoint = model
+    else:
+        raise ConfigError(f"get_base_recipe({model!r}): pass a checkpoint name such as 'Qwen/Qwen3-8B' or a "
+                          "ModelConfig")
+    name = preset_name_for(checkpoint)
     if name is None:
         models = ", ".join(str(m["hf_checkpoint"]) for m in _MODELS.values())
         raise ConfigError(
-            f"hf_checkpoint={model.hf_checkpoint!r}: no preset for this model; registered models: {models}. "
+            f"hf_checkpoint={checkpoint!r}: no preset for this model; registered models: {models}. "
             "Build a Recipe(...) yourself or start from raygym.presets.qwen3_4b()"
         )
     return PRESETS[name]()

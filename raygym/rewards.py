@@ -1,19 +1,20 @@
-"""Rewards: built-in verifiers selected by ``rm_type`` and custom reward callables.
+"""Rewards: built-in verifiers selected by ``rm_type``, custom reward functions, and weighted sums.
 
 Built-ins (``rm_type``): ``math`` (final ``\\boxed{}`` answer, else the last number, compared after
-normalisation), ``gsm8k`` (label ``"... #### N"``; the response's ``#### N`` or last number),
-``exact`` (stripped string equality) and ``next_digit`` (the builtin task).
+normalisation), ``math_verify`` (the ``math-verify`` package: LaTeX, sets, intervals, symbolic
+equality; ``pip install 'raygym[math]'``), ``gsm8k`` (label ``"... #### N"``; the response's ``#### N``
+or last number), ``exact`` (stripped string equality) and ``next_digit`` (the builtin task).
 
-Custom reward functions (``custom_rm_function``: a callable or ``"pkg.mod:fn"``, sync or async).
-The calling convention is read from the signature, in this order:
+Custom reward functions (``custom_rm_function``: a callable or ``"pkg.mod:fn"``, sync or async) are
+called the way their signature says: raygym's ``fn(sample)``, ``fn(prompt, response, label,
+metadata)`` or batched ``fn(samples)``, TRL's ``fn(prompts, completions, **columns) -> list[float |
+None]`` and verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)`` (see
+:mod:`raygym.reward_signatures`). ``reward_functions`` sums several, with weights
+(``{"gsm8k": 1.0, "my_pkg.rewards:format_reward": 0.2}``); each one's mean is logged as
+``rollout/reward/<name>``. A function may give a sample no reward (``None``, TRL's convention): it then
+adds nothing to that sample's sum.
 
-1. batched — ``fn.batched = True`` or a first parameter named ``samples``:
-   ``fn(samples: list[Sample]) -> list[float]`` (one call per group of samples);
-2. TRL style — every parameter is named from ``prompt, response, label, metadata`` (any subset,
-   passed by name): ``fn(prompt, response, label, metadata) -> float``;
-3. per sample — one parameter (any other name): ``fn(sample: Sample) -> float``.
-
-A reward function that raises (or times out) gives reward 0.0 and records ``"Type: message"`` in
+A reward function that raises (or times out) gives 0.0 and records ``"Type: message"`` in
 ``Sample.reward_error``; it never stops the run. Sync functions run in a thread pool (or the
 ``executor`` given) so slow verifiers never block the event loop that drives generation; pass a
 ``ProcessPoolExecutor`` for CPU-heavy verifiers (the function must then be importable/picklable).
@@ -30,18 +31,28 @@ import asyncio
 import inspect
 import math
 import re
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from raygym.config import load_callable
+from raygym.config import RM_TYPES, load_callable
 from raygym.errors import ConfigError
+from raygym.reward_signatures import (
+    PER_GROUP,
+    accepted,
+    fields_arguments,
+    function_name,
+    reward_convention,
+    trl_arguments,
+    verl_arguments,
+)
 from raygym.types import Sample
 
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _GSM8K_ANSWER = re.compile(r"####\s*(\S+)")
-TRL_PARAMS = ("prompt", "response", "label", "metadata")
 
 
 def extract_boxed(text: str) -> str | None:
@@ -150,32 +161,44 @@ def next_digit_reward(response: str, label: Any) -> float:
     return reward(response, str(label))
 
 
+def math_verify_reward(response: str, label: Any) -> float:
+    """1.0 if the ``math-verify`` package finds the response's answer equal to the label (a GSM8K
+    ``#### N`` label is read as N). Needs ``pip install 'raygym[math]'``.
+
+    math-verify bounds its work with ``SIGALRM``, which only the main thread may set: elsewhere (the
+    reward thread pool) it runs without its own timeout, and the reward model's ``timeout`` applies.
+    """
+    try:
+        from math_verify import parse, verify
+    except ImportError as exc:
+        raise ConfigError(
+            "rm_type='math_verify' needs the math-verify package: pip install 'raygym[math]' "
+            "(or use --rm-type math, raygym's own normaliser)"
+        ) from exc
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    truth = str(label)
+    if "####" in truth:
+        truth = gsm8k_label(truth)
+    gold = parse(truth, parsing_timeout=timeout)
+    predicted = parse(response, parsing_timeout=timeout)
+    if not gold or not predicted:
+        return 0.0
+    return 1.0 if verify(gold, predicted, timeout_seconds=timeout) else 0.0
+
+
 BUILTIN_REWARDS: dict[str, Callable[[str, Any], float]] = {
     "math": math_reward,
+    "math_verify": math_verify_reward,
     "gsm8k": gsm8k_reward,
     "exact": exact_reward,
     "next_digit": next_digit_reward,
 }
+assert tuple(BUILTIN_REWARDS) == RM_TYPES, "raygym.config.RM_TYPES lists the built-in rewards"
 
 
-def reward_convention(fn: Callable[..., Any]) -> str:
-    """``"batched"``, ``"trl"`` or ``"sample"``: how :class:`RewardModel` calls ``fn`` (module docs)."""
-    if getattr(fn, "batched", False):
-        return "batched"
-    params = [
-        p for p in inspect.signature(fn).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
-    if params and params[0].name == "samples":
-        return "batched"
-    if params and all(p.name in TRL_PARAMS for p in params):
-        return "trl"
-    required = [p for p in params if p.default is p.empty]
-    if len(required) == 1 or (len(params) >= 1 and not required):
-        return "sample"
-    raise ConfigError(
-        f"custom_rm_function={getattr(fn, '__qualname__', fn)!r}: unsupported signature {inspect.signature(fn)}; "
-        "use fn(sample), fn(prompt, response, label, metadata) or fn(samples) with fn.batched = True"
-    )
+def rm_type_choices() -> str:
+    """The built-in reward names, for messages: ``'math', 'math_verify', ...``."""
+    return ", ".join(repr(name) for name in RM_TYPES)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -191,14 +214,90 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+@dataclass(frozen=True)
+class RewardFunction:
+    """One reward function of a run: ``name`` (its metric: ``rollout/reward/<name>``), the callable,
+    how it is called (:mod:`raygym.reward_signatures`), its weight in the sum, and where it came from
+    (``"rm_type"``, an import path, or ``"callable"``)."""
+
+    name: str
+    fn: Callable[..., Any]
+    convention: str
+    weight: float = 1.0
+    source: str = "callable"
+
+    @property
+    def per_group(self) -> bool:
+        return self.convention in PER_GROUP
+
+
+def _builtin(name: str, weight: float = 1.0) -> RewardFunction:
+    if name not in BUILTIN_REWARDS:
+        raise ConfigError(f"rm_type={name!r}: unknown reward; use one of {rm_type_choices()} "
+                          "(--rm-type) or a custom_rm_function")
+    if name == "math_verify":
+        import importlib.util
+
+        if importlib.util.find_spec("math_verify") is None:
+            math_verify_reward("", "")  # raises the ConfigError naming the extra
+    builtin = BUILTIN_REWARDS[name]
+    return RewardFunction(name, lambda sample: builtin(sample.response_text, sample.label), "sample", weight,
+                          "rm_type")
+
+
+def _custom(spec: Callable[..., Any] | str, field: str, weight: float = 1.0) -> RewardFunction:
+    fn = load_callable(spec, field)
+    assert fn is not None
+    source = spec if isinstance(spec, str) else "callable"
+    return RewardFunction(function_name(fn), fn, reward_convention(fn, field), weight, source)
+
+
+def resolve_reward_functions(
+    rm_type: str | None = None,
+    custom_rm_function: Callable[..., Any] | str | None = None,
+    reward_functions: Mapping[str, float] | None = None,
+) -> list[RewardFunction]:
+    """The reward functions a run sums: ``reward_functions`` ({built-in name or import path: weight})
+    when set, else ``custom_rm_function``, else the built-in ``rm_type``. Imports them and reads their
+    signatures, so a bad path or an unusable signature is a ConfigError now, not a 0.0 per sample later.
+
+    >>> [(f.name, f.weight, f.convention) for f in resolve_reward_functions(reward_functions={"gsm8k": 1.0, "exact": 0.5})]
+    [('gsm8k', 1.0, 'sample'), ('exact', 0.5, 'sample')]
+    """
+    if reward_functions:
+        out: list[RewardFunction] = []
+        for key, weight in reward_functions.items():
+            if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight):
+                raise ConfigError(f"reward_functions[{key!r}]={weight!r}: a weight must be a finite number")
+            if key in BUILTIN_REWARDS:
+                out.append(_builtin(key, float(weight)))
+            else:
+                out.append(_custom(key, f"reward_functions[{key!r}]", float(weight)))
+        names = [f.name for f in out]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"reward_functions: two functions are named {twice[0]!r}; their metrics "
+                              f"(rollout/reward/{twice[0]}) would collide; rename one")
+        return out
+    if custom_rm_function is not None and custom_rm_function != "":
+        return [_custom(custom_rm_function, "custom_rm_function")]
+    if rm_type is None:
+        raise ConfigError(f"rm_type=None and no custom_rm_function: the run has no reward; pass --rm-type "
+                          f"with one of {rm_type_choices()}, or --custom-rm-function pkg.module:function")
+    return [_builtin(rm_type)]
+
+
+Scores = list[tuple[float | None, str | None]]  # per sample: (value or None, error text or None)
+
+
 class RewardModel:
-    """Scores samples in place (``sample.reward`` / ``sample.reward_error``) with a built-in
-    ``rm_type`` or a custom function, off the event loop.
+    """Scores samples in place (``sample.reward``, ``sample.reward_components``, ``sample.reward_error``)
+    with a built-in ``rm_type``, a custom function or a weighted sum of several, off the event loop.
 
     >>> import asyncio
     >>> s = Sample(prompt="q", prompt_tokens=[], group_index=0, response_text="#### 7", label="x #### 7")
-    >>> asyncio.run(RewardModel(rm_type="gsm8k").score([s])); s.reward
-    1.0
+    >>> asyncio.run(RewardModel(rm_type="gsm8k").score([s])); s.reward, s.reward_components
+    (1.0, {'gsm8k': 1.0})
     """
 
     def __init__(
@@ -207,64 +306,99 @@ class RewardModel:
         custom_rm_function: Callable[..., Any] | str | None = None,
         post_process_function: Callable[..., Any] | str | None = None,
         *,
+        reward_functions: Mapping[str, float] | None = None,
         executor: Executor | None = None,
         timeout: float | None = None,
     ) -> None:
-        custom = load_callable(custom_rm_function, "custom_rm_function")
-        if custom is None:
-            if rm_type is None:
-                raise ConfigError("rm_type=None and no custom_rm_function: set rm_type to one of "
-                                  f"{sorted(BUILTIN_REWARDS)} or give a custom_rm_function")
-            if rm_type not in BUILTIN_REWARDS:
-                raise ConfigError(f"rm_type={rm_type!r}: unknown reward; use one of {sorted(BUILTIN_REWARDS)} "
-                                  "or a custom_rm_function")
-            builtin = BUILTIN_REWARDS[rm_type]
-            self._fn: Callable[..., Any] = lambda sample: builtin(sample.response_text, sample.label)
-            self.convention = "sample"
-        else:
-            self._fn, self.convention = custom, reward_convention(custom)
+        self.functions = resolve_reward_functions(rm_type, custom_rm_function, reward_functions)
         self._post = load_callable(post_process_function, "custom_reward_post_process_function")
         self._executor = executor or ThreadPoolExecutor(max_workers=4, thread_name_prefix="raygym-reward")
         self.timeout = timeout
 
-    async def _call(self, *args: Any, **kwargs: Any) -> Any:
-        if inspect.iscoroutinefunction(self._fn):
-            result = self._fn(*args, **kwargs)
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.functions]
+
+    @property
+    def convention(self) -> str:
+        """The single function's convention; ``"batched"`` for a sum that holds a per-group function."""
+        if len(self.functions) == 1:
+            return self.functions[0].convention
+        return "batched" if self.per_group else "sample"
+
+    @property
+    def per_group(self) -> bool:
+        """True when some function must see a whole group at once (score groups, not single samples)."""
+        return any(f.per_group for f in self.functions)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
+            result = fn(*args, **kwargs)
         else:
             loop = asyncio.get_running_loop()
-            result = loop.run_in_executor(self._executor, lambda: self._fn(*args, **kwargs))
+            result = loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
         return await asyncio.wait_for(result, self.timeout) if self.timeout else await result
 
-    async def _score_one(self, sample: Sample) -> None:
+    @staticmethod
+    def _as_reward(value: Any, allow_none: bool) -> float | None:
+        if isinstance(value, dict) and "score" in value:  # verl may return {"score": ..., other metrics}
+            value = value["score"]
+        if value is None:
+            if allow_none:
+                return None
+            raise TypeError("returned None; return a float (None means 'no reward' only in a list of rewards)")
+        return float(value)
+
+    async def _one(self, f: RewardFunction, sample: Sample) -> tuple[float | None, str | None]:
         try:
-            if self.convention == "trl":
-                names = inspect.signature(self._fn).parameters
-                values = {"prompt": sample.prompt, "response": sample.response_text, "label": sample.label,
-                          "metadata": sample.metadata}
-                value = await self._call(**{k: v for k, v in values.items() if k in names})
+            if f.convention == "sample":
+                value = await self._call(f.fn, sample)
+            elif f.convention == "verl":
+                value = await self._call(f.fn, **accepted(f.fn, verl_arguments(sample)))
             else:
-                value = await self._call(sample)
-            sample.reward, sample.reward_error = float(value), None
+                value = await self._call(f.fn, **accepted(f.fn, fields_arguments(sample)))
+            return self._as_reward(value, allow_none=False), None
         except Exception as e:  # a user's verifier failing must not stop the run
-            sample.reward, sample.reward_error = 0.0, _error_text(e)
+            return 0.0, _error_text(e)
+
+    async def _group(self, f: RewardFunction, samples: list[Sample]) -> Scores:
+        try:
+            if f.convention == "trl":
+                values = await self._call(f.fn, **accepted(f.fn, trl_arguments(samples)))
+            else:
+                values = await self._call(f.fn, list(samples))
+            values = list(values)
+            if len(values) != len(samples):
+                raise ValueError(f"{f.name} returned {len(values)} rewards for {len(samples)} samples")
+            return [(self._as_reward(v, allow_none=True), None) for v in values]
+        except Exception as e:
+            return [(0.0, _error_text(e))] * len(samples)
+
+    async def _scores(self, f: RewardFunction, samples: list[Sample]) -> Scores:
+        if f.per_group:
+            return await self._group(f, samples)
+        return list(await asyncio.gather(*(self._one(f, s) for s in samples)))
 
     async def score(self, samples: Sequence[Sample]) -> None:
-        """Set ``reward`` (and ``reward_error`` on failure) on every sample; never raises for a
-        failing reward function."""
+        """Set ``reward`` (the weighted sum of the functions that gave one; 0.0 when none did),
+        ``reward_components`` and ``reward_error`` on every sample; never raises for a failing
+        reward function."""
+        samples = list(samples)
         if not samples:
             return
-        if self.convention != "batched":
-            await asyncio.gather(*(self._score_one(s) for s in samples))
-            return
-        try:
-            values = list(await self._call(list(samples)))
-            if len(values) != len(samples):
-                raise ValueError(f"batched reward returned {len(values)} rewards for {len(samples)} samples")
-            for s, v in zip(samples, values, strict=True):
-                s.reward, s.reward_error = float(v), None
-        except Exception as e:
-            for s in samples:
-                s.reward, s.reward_error = 0.0, _error_text(e)
+        results = await asyncio.gather(*(self._scores(f, samples) for f in self.functions))
+        several = len(self.functions) > 1
+        for i, s in enumerate(samples):
+            total, errors, components = 0.0, [], {}
+            for f, scores in zip(self.functions, results, strict=True):
+                value, error = scores[i]
+                components[f.name] = value
+                if error is not None:
+                    errors.append(f"{f.name}: {error}" if several else error)
+                if value is not None:
+                    total += f.weight * value
+            s.reward, s.reward_components = total, components
+            s.reward_error = "; ".join(errors) if errors else None
 
     def post_process(self, samples: Sequence[Sample]) -> None:
         """Apply ``custom_reward_post_process_function(samples) -> None | list[float]`` (it may edit the
@@ -287,18 +421,41 @@ class RewardModel:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+def reward_component_metrics(samples: Sequence[Sample], names: Sequence[str], prefix: str) -> dict[str, float]:
+    """``<prefix>reward/<name>``: each function's mean over the samples it scored, and
+    ``<prefix>reward_none``: how many samples no function gave a reward.
+
+    >>> s = Sample(prompt="q", prompt_tokens=[], group_index=0, reward_components={"a": 1.0, "b": None})
+    >>> reward_component_metrics([s], ["a", "b"], "rollout/")
+    {'rollout/reward/a': 1.0, 'rollout/reward_none': 0.0}
+    """
+    out: dict[str, float] = {}
+    for name in names:
+        values = [s.reward_components.get(name) for s in samples]
+        given = [v for v in values if v is not None]
+        if given:
+            out[f"{prefix}reward/{name}"] = sum(given) / len(given)
+    none = sum(1 for s in samples if s.reward_components and all(v is None for v in s.reward_components.values()))
+    out[f"{prefix}reward_none"] = float(none)
+    return out
+
+
+def default_rm_type(recipe: Any, prompt_data: str | None) -> str | None:
+    """``recipe.rm_type``, or ``next_digit`` for the builtin next-digit task when no reward is set."""
+    from raygym.builtin import NEXT_DIGIT_TASK
+
+    if recipe.rm_type is None and not recipe.custom_rm_function and not recipe.reward_functions:
+        if prompt_data == NEXT_DIGIT_TASK:
+            return "next_digit"
+    return recipe.rm_type
+
+
 def reward_model_from_config(cfg: Any, executor: Executor | None = None) -> RewardModel:
-    """The :class:`RewardModel` of a ``TrainConfig``'s recipe (rm_type / custom functions).
-
-    With neither ``rm_type`` nor ``custom_rm_function`` set, a ``builtin:next-digit`` dataset uses
-    ``next_digit``."""
+    """The :class:`RewardModel` of a ``TrainConfig`` (or a bare ``Recipe``): ``reward_functions``,
+    else ``custom_rm_function``, else ``rm_type`` (``next_digit`` for the builtin dataset when unset)."""
     recipe = getattr(cfg, "recipe", cfg)
-    rm_type = getattr(recipe, "rm_type", None)
-    custom = getattr(recipe, "custom_rm_function", None)
-    if rm_type is None and custom is None:
-        from raygym.builtin import NEXT_DIGIT_TASK
-
-        if getattr(getattr(cfg, "dataset", None), "prompt_data", None) == NEXT_DIGIT_TASK:
-            rm_type = "next_digit"
-    return RewardModel(rm_type, custom, getattr(recipe, "custom_reward_post_process_function", None),
-                       executor=executor)
+    dataset = getattr(cfg, "dataset", None)
+    prompt_data = dataset.prompt_data if dataset is not None else None
+    return RewardModel(default_rm_type(recipe, prompt_data), recipe.custom_rm_function,
+                       recipe.custom_reward_post_process_function,
+                       reward_functions=recipe.reward_functions, executor=executor)

@@ -34,6 +34,8 @@ class Sample:
     loss_mask: list[int] | None = None  # None = every response token is trained
     reward: float | None = None
     reward_error: str | None = None  # the exception text when the reward function raised
+    reward_components: dict[str, float | None] = field(default_factory=dict)  # per reward function (None: no reward)
+    columns: dict[str, Any] = field(default_factory=dict)  # the prompt row's other data columns, by name
     weight_version: int = 0  # policy version the engine served when it generated this
     finish_reason: str = ""  # "stop" | "length" | "abort"
     status: str = "pending"  # "pending" | "completed" | "truncated" | "aborted" | "failed"

@@ -55,7 +55,13 @@ from raygym.data import (
     load_eval_datasets,
 )
 from raygym.errors import ConfigError, RaygymError
-from raygym.rewards import RewardModel, load_callable, pass_at_k, reward_model_from_config
+from raygym.rewards import (
+    RewardModel,
+    load_callable,
+    pass_at_k,
+    reward_component_metrics,
+    reward_model_from_config,
+)
 from raygym.rollout.filters import GroupFilter, load_group_filter
 from raygym.rollout.health import ClientFactory, EnginePool, Resync
 from raygym.types import Sample
@@ -350,7 +356,7 @@ class RolloutManager:
             group_key = self._group_counter
             self._group_counter += 1
         samples = self._new_group(row, n)
-        batched = self.rewards.convention == "batched"
+        batched = self.rewards.per_group
         if self._custom_generate is None:
             await self._generate_together(samples, [self._seeded(params, group_key, s.sample_index) for s in samples])
             await self.rewards.score(samples)
@@ -366,7 +372,7 @@ class RolloutManager:
         return [
             Sample(prompt=row.prompt, prompt_tokens=list(row.prompt_tokens), group_index=-1, sample_index=j,
                    data_index=row.data_index, label=row.label, metadata=dict(row.metadata),
-                   weight_version=self.weight_version)
+                   weight_version=self.weight_version, columns=dict(row.columns))
             for j in range(n)
         ]
 
@@ -507,6 +513,7 @@ class RolloutManager:
             "rollout/request_retries": float(retries),
             "perf/rollout_time": elapsed,
         }
+        metrics.update(reward_component_metrics(samples, self.rewards.names, "rollout/"))
         if self.group_filter is not None:
             metrics.update({
                 "rollout/dynamic_kept_groups": float(stats["kept"]),
@@ -547,6 +554,8 @@ class RolloutManager:
                 out[prefix + "response_len_mean"] = sum(s.response_length for s in samples) / len(samples)
                 out[prefix + "truncated_frac"] = sum(s.finish_reason == "length" for s in samples) / len(samples)
                 out[prefix + "reward_errors"] = float(sum(s.reward_error is not None for s in samples))
+                if len(self.rewards.names) > 1:
+                    out.update(reward_component_metrics(samples, self.rewards.names, prefix))
         finally:
             self.pool.monitor.deactivate()
         return out

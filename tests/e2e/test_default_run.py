@@ -47,8 +47,8 @@ def test_raygym_train_defaults_learn(tmp_path):
     # it learned the task, not just something: the answers got shorter (stop after the digit)
     assert sum(r["rollout/response_len_mean"] for r in rows[-10:]) < sum(r["rollout/response_len_mean"] for r in rows[:10])
 
-    for step in (1, STEPS):
-        assert f"step {step}/{STEPS}" in printed
+    for step in (0, STEPS - 1):  # one numbering, from 0, as in metrics.jsonl; [done/total] beside it
+        assert f"step {step} [{step + 1}/{STEPS}]" in printed
     assert "rollout/reward_mean" in printed  # the summary table
     png = out / "reward_curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -147,6 +147,7 @@ RAYGYM_DEFAULTS = {
     "lambd": 1.0,
     "critic_lr": None,
     "rollout_max_prompt_len": None,
+    "reward_functions": None,
     "colocate_trainer_gpu_share": 0.5,
     "colocate_engine_gpu_share": 0.4,
     "placement_timeout": 600.0,

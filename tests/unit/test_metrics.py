@@ -96,7 +96,8 @@ def test_progress_line_and_summary_table():
     row = {"step": 4, "rollout/reward_mean": 0.5, "rollout/response_len_mean": 3.0, "perf/step_time": 1.25,
            "perf/rollout_time": 0.5, "perf/train_time": 0.5, "perf/sync_time": 0.1, "perf/tokens_per_s": 800.0}
     line = progress_line(row, 10)
-    assert "step 5/10" in line and "reward 0.500" in line and "1.25s" in line and "800 tok/s" in line
+    # steps are numbered from 0 (as in metrics.jsonl and iter_*); [5/10] counts the steps done
+    assert "step 4 [5/10]" in line and "reward 0.500" in line and "1.25s" in line and "800 tok/s" in line
     assert "reward -" in progress_line({"step": 0}, 1)  # missing values do not crash the line
     table = summary_table([row, {**row, "step": 5, "rollout/reward_mean": 0.75}])
     assert table.row_count >= 3

@@ -129,7 +129,7 @@ def test_raising_reward_gives_zero_and_records_the_error():
     assert [s.reward_error for s in out] == [None, "KeyError: 'no verifier for this one'", None]
 
 
-def test_async_trl_style_reward_gets_fields_by_name():
+def test_async_fields_style_reward_gets_fields_by_name():
     seen = []
 
     async def judge(prompt, response, label, metadata):
@@ -137,15 +137,15 @@ def test_async_trl_style_reward_gets_fields_by_name():
         seen.append((prompt, response, label, metadata))
         return float(response == label)
 
-    assert reward_convention(judge) == "trl"
+    assert reward_convention(judge) == "fields"
     out = score(RewardModel(custom_rm_function=judge), [sample("a", "a", "p0", 0), sample("b", "a", "p1", 1)])
     assert [s.reward for s in out] == [1.0, 0.0]
     assert sorted(seen) == [("p0", "a", "a", {"k": 0}), ("p1", "b", "a", {"k": 1})]
 
 
-def test_trl_style_subset_and_import_path():
+def test_fields_style_subset_and_import_path():
     model = RewardModel(custom_rm_function="raygym.rewards:exact_reward")  # fn(response, label)
-    assert model.convention == "trl"
+    assert model.convention == "fields"
     assert [s.reward for s in score(model, [sample("x", "x"), sample("y", "x")])] == [1.0, 0.0]
 
 

@@ -1,0 +1,125 @@
+"""Everything a run can check before it asks Ray for anything, in seconds: the data, the reward
+functions, the model path, and that the run and checkpoint directories can be written.
+
+Each problem is a :class:`ConfigError` naming the field, the value and the fix; ``raygym train``
+prints it and exits with code 2. No torch, no ray.
+
+>>> from raygym import TrainConfig
+>>> facts = preflight(TrainConfig.from_cli_args(["--output-dir", __import__("tempfile").mkdtemp()]))
+>>> facts.data.rows, [f.name for f in facts.rewards]
+(1024, ['next_digit'])
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raygym.data_check import DataSummary, check_prompt_data, is_local
+from raygym.errors import ConfigError
+
+
+@dataclass
+class RunFacts:
+    """What the checks found: the training data, the eval data (by name) and the reward functions."""
+
+    data: DataSummary
+    eval_data: dict[str, DataSummary] = field(default_factory=dict)
+    rewards: list[Any] = field(default_factory=list)  # raygym.rewards.RewardFunction
+
+
+def _check_dataset(url: str, cfg: Any, field_name: str) -> DataSummary:
+    from raygym.builtin import NEXT_DIGIT_ROWS, NEXT_DIGIT_TASK, is_builtin
+
+    if is_builtin(url):
+        if url != NEXT_DIGIT_TASK:
+            raise ConfigError(f"{field_name}={url!r}: unknown builtin dataset; the builtin dataset is "
+                              f"{NEXT_DIGIT_TASK!r}")
+        return DataSummary(url, NEXT_DIGIT_ROWS, True, ("prompt", "label"))
+    ds = cfg.dataset
+    return check_prompt_data(url, input_key=ds.input_key, label_key=ds.label_key, fmt=ds.format,
+                             apply_chat_template=ds.apply_chat_template, field=field_name)
+
+
+def check_rewards(cfg: Any, data: DataSummary) -> list[Any]:
+    """Resolve the run's reward functions (importing custom ones and reading their signatures), refuse
+    the builtin task's reward on other data, and check that TRL-style functions get every column they
+    require."""
+    from raygym.builtin import NEXT_DIGIT_TASK
+    from raygym.config import RM_TYPES
+    from raygym.reward_signatures import missing_inputs
+    from raygym.rewards import default_rm_type, resolve_reward_functions, rm_type_choices
+
+    recipe = cfg.recipe
+    prompt_data = cfg.dataset.prompt_data
+    rm_type = default_rm_type(recipe, prompt_data)
+    custom = recipe.custom_rm_function or recipe.reward_functions
+    if rm_type == "next_digit" and not custom and prompt_data != NEXT_DIGIT_TASK:
+        others = ", ".join(repr(name) for name in RM_TYPES if name != "next_digit")
+        raise ConfigError(
+            f"rm_type='next_digit' scores the builtin next-digit task (the tiny preset sets it), but prompt_data="
+            f"{prompt_data!r} is other data; pass --rm-type with one of {others} "
+            "(or --custom-rm-function pkg.module:function)"
+        )
+    if rm_type is None and not custom:
+        raise ConfigError(
+            f"prompt_data={prompt_data!r} has no reward: pass --rm-type with one of {rm_type_choices()}, "
+            "or --custom-rm-function pkg.module:function"
+        )
+    functions = resolve_reward_functions(rm_type, recipe.custom_rm_function, recipe.reward_functions)
+    columns = [c for c in data.columns if c != cfg.dataset.input_key]
+    for f in functions:
+        missing = missing_inputs(f.fn, f.convention, columns)
+        if missing:
+            raise ConfigError(
+                f"reward function {f.name!r} ({f.source}) takes {', '.join(map(repr, missing))} but prompt_data="
+                f"{prompt_data!r} has no such column (its columns: {', '.join(sorted(data.columns))}); rename the "
+                "parameter to a column, give it a default, or point --label-key/--input-key at other columns"
+            )
+    return functions
+
+
+def check_writable(url: str, field_name: str, fix: str) -> None:
+    """Create the local directory ``url`` if needed and write a probe file there (remote URLs are not
+    probed); ConfigError naming ``field_name`` and ``fix`` when that fails."""
+    if not is_local(url):
+        return
+    path = Path(url.removeprefix("file://"))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".raygym-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(f"{field_name}={url!r}: cannot write there ({type(exc).__name__}: {reason}); {fix}") from None
+
+
+def check_model_path(hf_checkpoint: str) -> None:
+    """A checkpoint written as a local path (``/``, ``./``, ``~``, ``file://``) must exist."""
+    if not hf_checkpoint.startswith(("/", "./", "../", "~", "file://")):
+        return  # a Hub id, a builtin: or a remote URL
+    path = os.path.expanduser(hf_checkpoint.removeprefix("file://"))
+    if not os.path.exists(path):
+        raise ConfigError(f"hf_checkpoint={hf_checkpoint!r}: no such directory; pass --hf-checkpoint with a model "
+                          "directory, a Hub id or 'builtin:tiny-qwen3'")
+
+
+def preflight(cfg: Any) -> RunFacts:
+    """Check ``cfg`` (a :class:`raygym.TrainConfig`) as far as possible without Ray: data, eval data,
+    rewards, model path, then the run and checkpoint directories (created here, as the run would)."""
+    from raygym.data import eval_dataset_urls
+
+    data = _check_dataset(cfg.dataset.prompt_data, cfg, "prompt_data")
+    evals = {name: _check_dataset(url, cfg, f"eval_prompt_data[{name!r}]")
+             for name, url in eval_dataset_urls(cfg).items()}
+    rewards = check_rewards(cfg, data)
+    check_model_path(cfg.model.hf_checkpoint)
+    check_writable(cfg.run_dir, "output_dir", "pass --output-dir with a directory you can write")
+    if cfg.recipe.save:
+        check_writable(cfg.checkpoint_dir, "save",
+                       f"pass --save '' to keep checkpoints in the run directory ({cfg.run_dir}/checkpoints), "
+                       "or --save with a directory you can write")
+    return RunFacts(data, evals, rewards)
