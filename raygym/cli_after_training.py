@@ -6,7 +6,6 @@ Imported by :mod:`raygym.cli`; light at import (torch, ray and the web stack loa
 from __future__ import annotations
 
 import os
-import signal
 import threading
 from collections.abc import Sequence
 
@@ -88,13 +87,10 @@ def serve_command(source: str, host: str, port: int, route_prefix: str, model_na
                        or max_ongoing_requests}
     settings = replace(settings, model_dir=resolved.hf_dir, model_name=model_name or resolved.name,
                        engine_settings=engine_settings)
-    stop = threading.Event()
-    if threading.current_thread() is threading.main_thread():  # `ray job stop` / docker stop send SIGTERM
-        signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     click.echo(f"model: {resolved.checkpoint or resolved.hf_dir} -> {resolved.hf_dir}")
     click.echo(f"API key: {'from ' + api_key_file if api_key_file else 'from $' + API_KEY_ENV}")
     run_server(settings, key, host=host, port=port, route_prefix=route_prefix, detach=detach,
-               say=lambda text: click.echo(text), stop=stop)
+               say=lambda text: click.echo(text))
 
 
 @click.command("eval", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -218,6 +220,21 @@ class Endpoint:
     settings: dict[str, Any]
 
 
+@contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGINT and SIGTERM set ``stop`` while inside (main thread only). Installed after Ray started:
+    Ray's own SIGTERM handler would end the process without removing the deployment."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_server(settings: ServeSettings, api_key: str, *, host: str = "127.0.0.1", port: int = 8000,
                route_prefix: str = "/", detach: bool = False, say: Callable[[str], None] = print,
                stop: threading.Event | None = None, on_ready: Callable[[Endpoint], None] | None = None) -> Endpoint:
@@ -254,10 +271,10 @@ def run_server(settings: ServeSettings, api_key: str, *, host: str = "127.0.0.1"
             on_ready(endpoint)
         if detach:
             return endpoint
-        try:
-            (stop or threading.Event()).wait()
-        except KeyboardInterrupt:
-            say("stopping: removing the deployment")
+        stop = stop or threading.Event()
+        with _stop_on_signals(stop):  # Ctrl-C, `ray job stop`, `docker stop`: end the deployment cleanly
+            stop.wait()
+        say("stopping: removing the deployment")
         return endpoint
     finally:
         if not detach:

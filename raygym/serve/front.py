@@ -235,7 +235,8 @@ class OpenAIFront:
 
     # ── answers ─────────────────────────────────────────────────────────────────────────────────
     def _token_texts(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([t]) for t in ids]
+        """Each token's text as it appears in the answer (special tokens are not part of the text)."""
+        return [self.tokenizer.decode([t], skip_special_tokens=True) for t in ids]
 
     def _completion_logprobs(self, row: RowOutput, offset: int) -> CompletionLogprobs:
         tokens = self._token_texts(row.token_ids)

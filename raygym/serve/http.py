@@ -9,8 +9,7 @@ valid key gets 401 before its body is read. Errors are OpenAI-shaped (``{"error"
 malformed JSON, bad fields (400, ``param`` names the field), unknown routes (404) and engine failures.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: FastAPI reads the route annotations (Request) at runtime.
 import hashlib
 import hmac
 import json
@@ -64,12 +63,30 @@ def validation_error(exc: Exception) -> OpenAIError:
     return OpenAIError(400, f"{where}: {message}" if where else message, param=where or None)
 
 
+def _engine_message(body: str) -> str:
+    """The message of an engine's JSON error body (SGLang and raygym's server: ``{"error": {"message"}}``).
+
+    >>> _engine_message('{"error": {"message": "bad top_k"}}'), _engine_message("plain text")
+    ('bad top_k', 'plain text')
+    """
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return body[:500]
+    if isinstance(parsed, dict):
+        error = parsed.get("error", parsed)
+        message = error.get("message") if isinstance(error, dict) else error
+        if isinstance(message, str):
+            return message[:500]
+    return body[:500]
+
+
 def engine_error(exc: Exception) -> OpenAIError:
     """An engine failure as OpenAI's error: the engine's 4xx refusals are the client's (400), the rest 5xx."""
     from raygym.rollout.client import EngineConnectionError, EngineHTTPError
 
     if isinstance(exc, EngineHTTPError) and 400 <= exc.status < 500:
-        return OpenAIError(400, f"the engine refused the request: {exc.body[:500]}")
+        return OpenAIError(400, f"the engine refused the request: {_engine_message(exc.body)}")
     if isinstance(exc, EngineConnectionError):
         return OpenAIError(503, "the engine is unavailable; retry shortly", type="server_error",
                            code="engine_unavailable")
