@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -44,7 +45,7 @@ def test_sources_resolve_to_an_hf_dir_and_the_step(run_dir, tmp_path):
     assert from_run.checkpoint.endswith("iter_0000009") and from_run.name == "plan-run-iter_0000009"
     assert from_run.hf_dir.startswith(str(run_dir / "cache" / "exports"))
     assert from_run.run_config["recipe"]["seed"] == 77
-    weights = sorted((p.name for p in __import__("pathlib").Path(from_run.hf_dir).iterdir()))
+    weights = sorted(p.name for p in Path(from_run.hf_dir).iterdir())
     assert "config.json" in weights and any(w.endswith(".safetensors") for w in weights)
     assert resolve_model_source(str(run_dir)).hf_dir == from_run.hf_dir  # the export is reused
 
