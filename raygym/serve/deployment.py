@@ -207,7 +207,7 @@ def build_application(spec: ReplicaSpec) -> Any:
     """The bound Serve application for ``spec`` (pass it to ``serve.run``)."""
     from ray import serve
 
-    deployment = serve.deployment(serve.ingress()(OpenAIReplica))
+    deployment: Any = serve.deployment(serve.ingress()(OpenAIReplica))
     return deployment.options(**deployment_options(spec.settings)).bind(spec)
 
 

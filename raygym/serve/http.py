@@ -16,6 +16,8 @@ import json
 import logging
 from typing import Any
 
+import pydantic
+
 from raygym.serve.front import OpenAIError, OpenAIFront
 from raygym.serve.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameter
 
@@ -47,9 +49,9 @@ def authorized(header: str | None, digest: str) -> bool:
     return hmac.compare_digest(key_digest(token.strip()), digest)
 
 
-def validation_error(exc: Exception) -> OpenAIError:
+def validation_error(exc: pydantic.ValidationError) -> OpenAIError:
     """A pydantic ValidationError as OpenAI's 400 (``param`` = the offending field)."""
-    errors = exc.errors() if hasattr(exc, "errors") else []
+    errors = exc.errors()
     if not errors:
         return OpenAIError(400, str(exc))
     first = errors[0]
