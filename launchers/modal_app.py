@@ -13,6 +13,15 @@ From Python (e.g. a script of your own that Modal runs)::
     from launchers.modal_app import build_app
     app, train_fn = build_app(["--preset", "qwen3-4b"], ModalConfig(gpu_type="H200"))
 
+Serving a checkpoint (``raygym serve`` in a GPU container, exposed as a Modal web endpoint; the API key
+comes from the Modal secret ``serve_secret``, default ``raygym-serve-secret`` holding
+``RAYGYM_SERVE_API_KEY``)::
+
+    modal secret create raygym-serve-secret RAYGYM_SERVE_API_KEY=...
+    RAYGYM_MODAL_SERVE='/checkpoints/my-run --max-replicas 2 --modal-gpu-type L4' modal deploy launchers/modal_app.py
+
+or from Python: ``build_serve_app(["/checkpoints/my-run", "--replicas", "1"])``.
+
 Every decision about the cluster lives in :mod:`launchers.bootstrap`; this file only wires Modal to it.
 """
 
@@ -21,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import socket
 import subprocess
 import sys
@@ -41,7 +51,8 @@ from launchers.modal_config import ModalConfig, launch_args_from_argv  # noqa: E
 from launchers.ray_job import resolve_recipe, submit_train_job  # noqa: E402
 from raygym.errors import RaygymError  # noqa: E402
 
-__all__ = ["Launch", "ModalRun", "build_app", "build_image", "build_volumes", "plan_launch", "run_cluster"]
+__all__ = ["Launch", "ModalRun", "ModalServe", "ServeLaunch", "build_app", "build_image", "build_serve_app",
+           "build_volumes", "plan_launch", "plan_serve", "run_cluster", "serve_web"]
 
 HF_CACHE_DIR = "/root/.cache/huggingface"
 DATA_DIR = "/data"
@@ -49,6 +60,11 @@ CHECKPOINTS_DIR = "/checkpoints"
 REMOTE_REPO = "/root/raygym-src"
 REMOTE_OVERLAY = "/root/raygym-overlay"  # local_raygym is mounted here and put first on PYTHONPATH
 APP_NAME_ENV = "RAYGYM_MODAL_APP"
+SERVE_ENV = "RAYGYM_MODAL_SERVE"  # set locally: the serve flags; makes this file's app the serving app
+SERVE_ARGS_ENV = "RAYGYM_MODAL_SERVE_ARGS"  # inside the serving container: the serve flags as JSON
+SERVE_PORT = 8000
+# Set by the launcher (the port Modal routes to; the key from the Modal secret).
+_SERVE_FLAGS_OWNED = ("--host", "--port", "--api-key", "--api-key-file", "--detach")
 DEFAULT_ARGS = ["--preset", "qwen3-4b"]
 _REPO_IGNORE = ["**/.git", "**/runs", "**/__pycache__", "**/*.egg-info", "**/.venv", "**/.pytest_cache"]
 
@@ -145,6 +161,94 @@ def build_app(args: list[str], modal_config: ModalConfig | None = None) -> Modal
         **cfg.function_kwargs(launch.gpus_per_node),
     )(clustered(**cfg.cluster_kwargs(launch.total_nodes))(run_cluster))
     return ModalRun(app, train_fn, launch)
+
+
+# ---------------------------------------------------------------- serving a checkpoint
+
+
+@dataclass(frozen=True)
+class ServeLaunch:
+    """One endpoint's Modal shape: the ``raygym serve`` flags and the GPUs of its container."""
+
+    serve_args: list[str]  # SOURCE first, then raygym serve flags
+    modal_config: ModalConfig
+    gpus: int  # GPUs of the container: GPUs per replica x the most replicas
+    app_name: str
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def plan_serve(args: list[str], modal_config: ModalConfig | None = None) -> ServeLaunch:
+    """Split ``--modal-*`` flags from ``raygym serve`` flags and size the container.
+
+    One container is one Ray node running every replica of the deployment, so it gets
+    ``gpus_per_replica x max(replicas, max_replicas)`` GPUs (at least one)."""
+    from raygym.errors import ConfigError
+
+    from_flags, serve_args = ModalConfig.split_cli_args(list(args))
+    if modal_config is None:
+        modal_config = from_flags
+    else:
+        modal_config = modal_config.model_copy(update=from_flags.model_dump(exclude_unset=True))
+    if not serve_args or serve_args[0].startswith("-"):
+        raise ConfigError("serve: give the checkpoint first, e.g. /checkpoints/<run> [raygym serve flags]; "
+                          "it must be on a Modal volume (/checkpoints) or an object-store URL")
+    for flag in _SERVE_FLAGS_OWNED:
+        if _flag_value(serve_args, flag) is not None or flag in serve_args:
+            raise ConfigError(f"{flag}: set by the Modal launcher (port {SERVE_PORT}, the key from the Modal secret "
+                              f"{modal_config.serve_secret!r}); remove it")
+    try:
+        per_replica = int(_flag_value(serve_args, "--gpus-per-replica") or 1)
+        replicas = int(_flag_value(serve_args, "--max-replicas") or _flag_value(serve_args, "--replicas") or 1)
+    except ValueError as exc:
+        raise ConfigError(f"serve flags: {exc}; --gpus-per-replica / --replicas / --max-replicas take integers") from None
+    if _flag_value(serve_args, "--gpus-per-replica") is None:  # Modal containers have GPUs: use them
+        serve_args = [*serve_args, "--gpus-per-replica", str(per_replica)]
+    name = modal_config.name or "raygym-serve"
+    return ServeLaunch(serve_args, modal_config, max(1, per_replica * replicas), name)
+
+
+@dataclass(frozen=True)
+class ModalServe:
+    """A built serving app, its web-server function and the launch it was sized for."""
+
+    app: modal.App
+    serve_fn: modal.Function
+    launch: ServeLaunch
+
+
+def build_serve_app(args: list[str], modal_config: ModalConfig | None = None) -> ModalServe:
+    """The Modal app serving ``args`` (``SOURCE [raygym serve flags] [--modal-* flags]``) on port 8000."""
+    launch = plan_serve(args, modal_config)
+    cfg = launch.modal_config
+    app = modal.App(launch.app_name, tags={"framework": "raygym", **cfg.app_tags})
+    secret_names = [cfg.serve_secret, *(s for s in cfg.secrets if s != cfg.serve_secret)]
+    web = modal.web_server(SERVE_PORT, startup_timeout=cfg.join_timeout_s)(serve_web)
+    concurrent = getattr(modal, "concurrent", None)
+    if concurrent is not None:  # one container answers many requests at once (Ray Serve queues them)
+        web = concurrent(max_inputs=1000)(web)
+    serve_fn = app.function(
+        image=build_image(cfg),
+        volumes=build_volumes(cfg),
+        secrets=[modal.Secret.from_name(name) for name in secret_names],
+        env={APP_NAME_ENV: launch.app_name, SERVE_ARGS_ENV: json.dumps(launch.serve_args)},
+        **cfg.function_kwargs(launch.gpus),
+    )(web)
+    return ModalServe(app, serve_fn, launch)
+
+
+def serve_web() -> None:
+    """Inside the serving container: start ``raygym serve`` on port 8000 (Modal routes the endpoint to it)."""
+    args = json.loads(os.environ[SERVE_ARGS_ENV])
+    command = [sys.executable, "-m", "raygym", "serve", *args, "--host", "0.0.0.0", "--port", str(SERVE_PORT)]
+    subprocess.Popen(command, env=dict(os.environ))  # the key arrives as RAYGYM_SERVE_API_KEY from the secret
 
 
 # ---------------------------------------------------------------- inside the containers
@@ -257,17 +361,23 @@ def _args_for_this_process() -> list[str]:
     return from_argv if from_argv else list(DEFAULT_ARGS)
 
 
-if modal.is_local():
-    RUN: ModalRun | None = build_app(_args_for_this_process())
+RUN: ModalRun | None = None
+SERVE: ModalServe | None = None
+if modal.is_local() and os.environ.get(SERVE_ENV):  # `modal deploy|serve launchers/modal_app.py`
+    SERVE = build_serve_app(shlex.split(os.environ[SERVE_ENV]))
+    app = SERVE.app
+elif modal.is_local():
+    RUN = build_app(_args_for_this_process())
     app = RUN.app
-else:  # inside a container Modal only needs run_cluster; the app carries no layout here
-    RUN = None
+else:  # inside a container Modal only needs run_cluster / serve_web; the app carries no layout here
     app = modal.App(os.environ.get(APP_NAME_ENV, "raygym"))
 
 
 @app.local_entrypoint()
 def main(*arglist: str) -> None:
     """``modal run launchers/modal_app.py [--modal-* flags] [train flags]``."""
+    if SERVE is not None:
+        raise RaygymError(f"{SERVE_ENV} is set: this app serves; use `modal deploy` or `modal serve`, not `modal run`")
     assert RUN is not None, "main() runs on the local side only"
     launch = RUN.launch
     _, train_args = ModalConfig.split_cli_args(list(arglist))

@@ -66,6 +66,7 @@ class ModalConfig(BaseModel):
     python_version: str = "3.11"
     cuda_image: str = "nvidia/cuda:12.8.1-devel-ubuntu22.04"
     secrets: list[str] = Field(default_factory=lambda: ["wandb-secret", "huggingface-secret"])
+    serve_secret: str = "raygym-serve-secret"  # Modal secret holding RAYGYM_SERVE_API_KEY (modal_app serve)
     hf_cache_volume: str = "raygym-hf-cache"
     data_volume: str = "raygym-data"
     checkpoints_volume: str = "raygym-checkpoints"

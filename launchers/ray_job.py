@@ -8,12 +8,17 @@ everything printed; the Ray auth token sent as an HTTP header when the cluster u
 CLI (flags it does not know are train flags, forwarded verbatim)::
 
     python -m launchers.ray_job --address http://127.0.0.1:8265 --preset tiny --num-rollout 2
+    python -m launchers.ray_job --address http://127.0.0.1:8265 eval /shared/runs/r1 --prompt-data s3://b/test.jsonl
+
+The second form runs ``raygym eval CHECKPOINT [eval flags]`` as the job (the checkpoint and the data must
+be reachable from the cluster: shared storage or an fsspec URL).
 
 Python::
 
     from launchers.ray_job import submit_train_job
     job = submit_train_job("http://head:8265", ["--preset", "qwen3-4b"], pip_extras=["wandb"])
     job.status   # 'SUCCEEDED' | 'FAILED' | 'STOPPED' | ...
+    submit_eval_job("http://head:8265", "/shared/runs/r1", ["--n-samples-per-eval-prompt", "8"])
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from raygym.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAIN_MODULE = "raygym.train"
+EVAL_COMMAND = ("-m", "raygym", "eval")  # python -m raygym eval CHECKPOINT [flags]
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 # Secrets copied from the caller's environment into the job's env_vars (never argv).
 SECRET_ENV_VARS = ("WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
@@ -261,6 +267,35 @@ def build_job_spec(
     return JobSpec(build_entrypoint(train_args), runtime_env, tuple(secrets))
 
 
+def build_eval_entrypoint(checkpoint: str, eval_args: Sequence[str], python: str = "python") -> str:
+    """The eval job's shell command: ``python -m raygym eval CHECKPOINT <flags>`` (quoted)."""
+    return shlex.join([python, *EVAL_COMMAND, checkpoint, *eval_args])
+
+
+def build_eval_job_spec(
+    checkpoint: str,
+    eval_args: Sequence[str],
+    *,
+    environ: Mapping[str, str],
+    working_dir: str | None = str(REPO_ROOT),
+    pip_extras: Iterable[str] = (),
+    extra_env: Mapping[str, str] | None = None,
+) -> JobSpec:
+    """Check the flags and build the entrypoint + runtime_env of a ``raygym eval`` job.
+
+    The eval reads the run's own config (engines get its ``environment``) on the cluster, so only the
+    secrets and ``extra_env`` travel in the runtime_env here.
+    """
+    if not checkpoint or checkpoint.startswith("-"):
+        raise ConfigError(f"eval checkpoint={checkpoint!r}: give the checkpoint first: eval CHECKPOINT [flags]")
+    args = [checkpoint, *eval_args]
+    secrets = secret_env_vars(environ)
+    check_no_secrets_on_argv(args, secrets.values())
+    runtime_env = build_runtime_env({}, secrets, working_dir=working_dir, pip=pip_for_extras(pip_extras),
+                                    extra_env=extra_env)
+    return JobSpec(build_eval_entrypoint(checkpoint, eval_args), runtime_env, tuple(secrets))
+
+
 # ---------------------------------------------------------------- submit and follow
 
 
@@ -300,13 +335,53 @@ def submit_train_job(
     the job is stopped and that text becomes the outcome's message (the Modal launcher uses it to fail a
     run whose node stayed dead).
     """
-    from ray.job_submission import JobSubmissionClient
-
     environ = os.environ if environ is None else environ
     spec = build_job_spec(
         train_args, environ=environ, recipe=recipe, working_dir=working_dir, pip_extras=pip_extras,
         extra_env=extra_env,
     )  # fmt: skip
+    return submit_job_spec(address, spec, environ=environ, token_file=token_file, submission_id=submission_id,
+                           follow=follow, out=out, watchdog=watchdog, watchdog_interval_s=watchdog_interval_s)
+
+
+def submit_eval_job(
+    address: str,
+    checkpoint: str,
+    eval_args: Sequence[str] = (),
+    *,
+    environ: Mapping[str, str] | None = None,
+    working_dir: str | None = str(REPO_ROOT),
+    pip_extras: Iterable[str] = (),
+    extra_env: Mapping[str, str] | None = None,
+    token_file: str | None = None,
+    submission_id: str | None = None,
+    follow: bool = True,
+    out: Callable[[str], None] = print,
+) -> JobOutcome:
+    """Submit ``python -m raygym eval CHECKPOINT <eval_args>`` to the Ray cluster at ``address`` (the job's
+    engines run on the cluster; its outputs land in ``--out`` or ``<run>/eval/<checkpoint>``)."""
+    environ = os.environ if environ is None else environ
+    spec = build_eval_job_spec(checkpoint, eval_args, environ=environ, working_dir=working_dir,
+                               pip_extras=pip_extras, extra_env=extra_env)
+    return submit_job_spec(address, spec, environ=environ, token_file=token_file, submission_id=submission_id,
+                           follow=follow, out=out)
+
+
+def submit_job_spec(
+    address: str,
+    spec: JobSpec,
+    *,
+    environ: Mapping[str, str],
+    token_file: str | None = None,
+    submission_id: str | None = None,
+    follow: bool = True,
+    out: Callable[[str], None] = print,
+    watchdog: Callable[[], str | None] | None = None,
+    watchdog_interval_s: float = 5.0,
+) -> JobOutcome:
+    """Submit a built :class:`JobSpec` (auth header, redacted printing, optional log following)."""
+    from ray.job_submission import JobSubmissionClient
+
     token = find_auth_token(environ, token_file)
     headers = auth_headers(token)
     env_vars = spec.runtime_env.get("env_vars", {})
@@ -380,8 +455,9 @@ def _watch(
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m launchers.ray_job",
-        description="Submit `python -m raygym.train [train flags]` to a running Ray cluster. "
-        "Flags not listed here are train flags and are forwarded verbatim.",
+        description="Submit `python -m raygym.train [train flags]` (or, after the word `eval`, "
+        "`raygym eval CHECKPOINT [eval flags]`) to a running Ray cluster. "
+        "Flags not listed here are train (or eval) flags and are forwarded verbatim.",
         allow_abbrev=False,
     )
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS,
@@ -402,12 +478,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts, train_args = _parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if train_args[:1] == ["--"]:
         train_args = train_args[1:]
+    common = {"working_dir": None if opts.installed else opts.working_dir, "pip_extras": opts.pip_extra,
+              "token_file": opts.auth_token_file, "submission_id": opts.submission_id, "follow": not opts.no_wait}
     try:
-        outcome = submit_train_job(
-            opts.address, train_args, working_dir=None if opts.installed else opts.working_dir,
-            pip_extras=opts.pip_extra, token_file=opts.auth_token_file, submission_id=opts.submission_id,
-            follow=not opts.no_wait,
-        )  # fmt: skip
+        if train_args[:1] == ["eval"]:
+            if len(train_args) < 2:
+                raise ConfigError("eval: give the checkpoint: python -m launchers.ray_job eval CHECKPOINT [flags]")
+            outcome = submit_eval_job(opts.address, train_args[1], train_args[2:], **common)
+        else:
+            outcome = submit_train_job(opts.address, train_args, **common)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

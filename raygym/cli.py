@@ -1,4 +1,5 @@
-"""The ``raygym`` command: ``train``, ``plan``, ``export``, ``bench``.
+"""The ``raygym`` command: ``train``, ``plan``, ``export``, ``bench``; ``serve``, ``eval``, ``report``
+(in :mod:`raygym.cli_after_training`).
 
 Every train/plan flag is generated from the config models (``raygym plan --help`` lists them).
 ``plan`` imports neither torch nor ray unless ``--cluster`` asks for a live cluster. Bad input
@@ -20,6 +21,7 @@ from pathlib import Path
 import click
 
 from raygym.allocation import GpuAllocation
+from raygym.cli_after_training import eval_command, report_command, serve_command
 from raygym.cli_help import cli_help
 from raygym.config import Recipe, TrainConfig
 from raygym.errors import ConfigError, RaygymError
@@ -251,6 +253,11 @@ def bench(ctx: click.Context, name: str) -> None:
     if script is None:
         raise ConfigError(f"bench {name!r}: no benchmarks/{name}.py here or next to the package")
     ctx.exit(subprocess.call([sys.executable, str(script), *ctx.args]))
+
+
+app.add_command(serve_command)
+app.add_command(eval_command)
+app.add_command(report_command)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

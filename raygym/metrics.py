@@ -206,6 +206,8 @@ def trace_record(step: int, sample: Any) -> dict[str, Any]:
         "response_tokens": sample.response_length,
         "finish_reason": sample.finish_reason,
         "reward": sample.reward,
+        "prompt": sample.prompt,
+        "label": sample.label if isinstance(sample.label, (str, int, float, type(None))) else str(sample.label),
         "response_text": sample.response_text,
         **{k: _jsonable(v) for k, v in (sample.trace or {}).items()},
     }

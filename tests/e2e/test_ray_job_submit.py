@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from ray_head_process import free_ports, head_env, ray_head_process
 
-from launchers.ray_job import REPO_ROOT, main, submit_train_job
+from launchers.ray_job import REPO_ROOT, main, submit_eval_job, submit_train_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -64,6 +64,27 @@ def test_tiny_job_succeeds_through_the_launcher(ray_head, tmp_path):
     assert metrics.exists(), printed[-4000:]
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
     assert len(steps) == 2
+
+
+def test_eval_job_runs_raygym_eval_on_the_cluster(ray_head, tmp_path):
+    from raygym.builtin import next_digit_rows
+
+    url, env = ray_head
+    data = tmp_path / "digits.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in next_digit_rows(12, seed=3)))
+    lines: list[str] = []
+    outcome = submit_eval_job(
+        url, "builtin:tiny-qwen3",
+        ["--preset", "tiny", "--prompt-data", str(data), "--n-samples-per-eval-prompt", "2",
+         "--out", str(tmp_path / "eval")],
+        environ=env, working_dir=str(REPO_ROOT), out=lines.append,
+    )  # fmt: skip
+    printed = "\n".join(lines)
+    assert outcome.status == "SUCCEEDED", printed[-4000:]
+    assert "-m raygym eval builtin:tiny-qwen3" in printed and TOKEN not in printed
+    summary = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert summary["datasets"] == {"digits": str(data)} and "eval/digits/pass@2" in summary["metrics"]
+    assert len((tmp_path / "eval" / "samples.jsonl").read_text().splitlines()) == 12 * 2
 
 
 def test_cli_without_token_is_refused(ray_head, monkeypatch, tmp_path, capsys):

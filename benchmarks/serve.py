@@ -1,0 +1,126 @@
+"""Requests/s through ``raygym serve`` (Ray Serve proxy + replica + OpenAI front + EngineActor) vs the same
+engine's ``/generate`` called directly with :class:`~raygym.rollout.client.EngineClient`.
+
+Both sides send the same ``--requests`` completion requests (one prompt, at most ``--new-tokens``
+tokens, greedy, so both generate the same tokens) with ``--concurrency`` in flight, to one raygym-server engine of the builtin tiny
+model on CPU. The baseline engine runs in this process's own EngineActor; the served one inside a
+Serve replica of a private local Ray. The ratio served/direct is the figure: what the OpenAI front and
+Serve's HTTP proxy cost per request.
+
+    python benchmarks/serve.py [--requests 128] [--concurrency 8] [--new-tokens 8] [--repeats 3]
+
+Prints one JSON object per line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from raygym.builtin import TINY_MODEL, build_tokenizer, materialize_model, next_digit_rows  # noqa: E402
+
+KEY = "benchmark-serve-key-0123456789"
+
+
+def prompts(n: int) -> list[str]:
+    return [row["prompt"] for row in next_digit_rows(n, seed=0)]
+
+
+async def _drive(send, texts: list[str], concurrency: int) -> float:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, text: str) -> None:
+        async with gate:
+            await send(i, text)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(i, t) for i, t in enumerate(texts)))
+    return time.perf_counter() - start
+
+
+def direct_seconds(model_dir: str, texts: list[str], new_tokens: int, concurrency: int) -> float:
+    from raygym.rollout.client import EngineClient
+    from raygym.rollout.engine import EngineActor
+
+    tok = build_tokenizer()
+    engine = EngineActor({"sglang_max_running_requests": 64}, engine_index=0, model_path=model_dir, gpu_ids=[],
+                         backend="raygym", device="cpu", log_dir=tempfile.mkdtemp(prefix="bench-serve-"))
+    engine.start()
+    try:
+        async def run() -> float:
+            async with EngineClient(engine.url()) as client:
+                async def send(i: int, text: str) -> None:
+                    await client.generate({"input_ids": [tok.encode(text)], "return_logprob": True,
+                                           "sampling_params": [{"max_new_tokens": new_tokens, "temperature": 0.0}]})
+                return await _drive(send, texts, concurrency)
+        return asyncio.run(run())
+    finally:
+        engine.close()
+
+
+def served_seconds(model_dir: str, texts: list[str], new_tokens: int, concurrency: int, repeats: int) -> list[float]:
+    import httpx
+
+    from raygym.serve.deployment import ServeSettings, run_server
+
+    port = 18000 + os.getpid() % 1000
+    settings = ServeSettings(model_dir=model_dir, model_name="tiny", engine="raygym", gpus_per_replica=0,
+                             max_ongoing_requests=64, engine_settings={"sglang_max_running_requests": 64})
+    stop = threading.Event()
+    seconds: list[float] = []
+
+    def measure(endpoint) -> None:  # runs once the deployment answers; the server then stops
+        async def run() -> float:
+            async with httpx.AsyncClient(base_url=endpoint.url, headers={"Authorization": f"Bearer {KEY}"},
+                                         timeout=120) as client:
+                async def send(i: int, text: str) -> None:
+                    r = await client.post("/completions", json={"model": "tiny", "prompt": text, "temperature": 0,
+                                                                "max_tokens": new_tokens})
+                    r.raise_for_status()
+                return await _drive(send, texts, concurrency)
+        try:
+            asyncio.run(run())  # warm-up
+            seconds.extend(asyncio.run(run()) for _ in range(repeats))
+        finally:
+            stop.set()
+
+    run_server(settings, KEY, port=port, stop=stop, on_ready=measure, say=lambda _: None)
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    model_dir = materialize_model(TINY_MODEL, tempfile.mkdtemp(prefix="bench-serve-model-"))
+    texts = prompts(args.requests)
+    direct_seconds(model_dir, texts[:8], args.new_tokens, args.concurrency)  # warm-up
+    direct = [direct_seconds(model_dir, texts, args.new_tokens, args.concurrency) for _ in range(args.repeats)]
+    served = served_seconds(model_dir, texts, args.new_tokens, args.concurrency, args.repeats)
+    d, s = statistics.median(direct), statistics.median(served)
+    print(json.dumps({
+        "figure": "serve_requests_per_s", "value": args.requests / s,
+        "baseline": "engine_direct_requests_per_s", "baseline_value": args.requests / d, "ratio": d / s,
+        "requests": args.requests, "concurrency": args.concurrency, "new_tokens": args.new_tokens,
+        "seconds_served": served, "seconds_direct": direct,
+        "machine": {"cpus": os.cpu_count(), "device": "cpu", "python": platform.python_version()},
+    }))
+
+
+if __name__ == "__main__":
+    main()

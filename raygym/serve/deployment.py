@@ -1,0 +1,292 @@
+"""``raygym serve``: an OpenAI-compatible endpoint as a Ray Serve application.
+
+Each Serve replica owns one inference engine (:class:`raygym.rollout.engine.EngineActor`: raygym's own
+server on CPU, SGLang on GPU, chosen like a run's ``rollout_engine``) on the GPUs Ray gives the replica,
+and answers the OpenAI routes of :mod:`raygym.serve.http` in front of it. Scaling is Ray Serve's:
+a fixed ``num_replicas`` or an autoscaling range (``min_replicas`` .. ``max_replicas`` driven by
+``target_ongoing_requests``); placement: each replica's CPUs and GPUs are reserved together in one
+placement-group bundle (``STRICT_PACK``: an engine's GPUs are on the replica's node), and
+``max_replicas_per_node`` spreads replicas over nodes. The same command deploys on a laptop (a private
+local Ray), any Ray cluster (``RAY_ADDRESS``) and Modal (``launchers/modal_app.py``).
+
+The API key comes from ``$RAYGYM_SERVE_API_KEY`` or a key file, never from a command line; only its
+SHA-256 digest is sent to the replicas, and neither is ever logged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from raygym.errors import ConfigError
+
+API_KEY_ENV = "RAYGYM_SERVE_API_KEY"
+APP_NAME = "raygym-openai"
+ENGINES = ("auto", "raygym", "sglang")
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """How ``raygym serve`` deploys (validated by :meth:`check`; pure, no Ray)."""
+
+    model_dir: str  # local HF directory every replica loads (shared storage on a multi-node cluster)
+    model_name: str  # the id clients send as `model`
+    engine: str = "auto"  # auto | raygym | sglang
+    num_replicas: int = 1  # used when max_replicas is None
+    min_replicas: int | None = None  # autoscaling range (set max_replicas to autoscale)
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 8.0  # autoscaling target per replica
+    max_ongoing_requests: int = 64  # requests a replica takes at once
+    gpus_per_replica: int | None = None  # GPUs of each replica's engine (SGLang's TP size); None: 1 if the cluster has GPUs
+    cpus_per_replica: float = 1.0
+    max_replicas_per_node: int | None = None
+    placement_strategy: str = "STRICT_PACK"
+    default_max_tokens: int = 256  # chat completions without max_tokens
+    engine_settings: dict[str, Any] = field(default_factory=dict)  # recipe fields the engine reads (sglang_*, seed)
+
+    def check(self) -> ServeSettings:
+        """Raise :class:`ConfigError` naming the bad setting; returns self."""
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine={self.engine!r}: use one of {', '.join(ENGINES)}")
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            raise ConfigError(f"placement_strategy={self.placement_strategy!r}: use one of "
+                              f"{', '.join(PLACEMENT_STRATEGIES)}")
+        for name in ("num_replicas", "max_ongoing_requests", "default_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1 (--{name.replace('_', '-')})")
+        if (self.gpus_per_replica or 0) < 0 or self.cpus_per_replica <= 0:
+            raise ConfigError(f"gpus_per_replica={self.gpus_per_replica}, cpus_per_replica={self.cpus_per_replica}: "
+                              "GPUs must be >= 0 and CPUs > 0")
+        if self.min_replicas is not None and self.max_replicas is None:
+            raise ConfigError("min_replicas is set without max_replicas: give --max-replicas to autoscale")
+        if self.max_replicas is not None:
+            low = 1 if self.min_replicas is None else self.min_replicas
+            if low < 0 or self.max_replicas < max(1, low):
+                raise ConfigError(f"min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: need "
+                                  "0 <= min_replicas <= max_replicas and max_replicas >= 1")
+            if not self.target_ongoing_requests > 0:
+                raise ConfigError(f"target_ongoing_requests={self.target_ongoing_requests}: must be > 0")
+        if self.max_replicas_per_node is not None and self.max_replicas_per_node < 1:
+            raise ConfigError(f"max_replicas_per_node={self.max_replicas_per_node}: must be >= 1")
+        return self
+
+
+def deployment_options(settings: ServeSettings) -> dict[str, Any]:
+    """Ray Serve ``Deployment.options(...)`` for ``settings``: replicas or autoscaling, resources, placement.
+
+    >>> opts = deployment_options(ServeSettings("m", "m", gpus_per_replica=2, max_replicas=4))
+    >>> opts["autoscaling_config"]["max_replicas"], opts["placement_group_bundles"]
+    (4, [{'CPU': 1.0, 'GPU': 2.0}])
+    """
+    settings.check()
+    gpus = settings.gpus_per_replica or 0
+    options: dict[str, Any] = {
+        "name": "OpenAIReplica",
+        "max_ongoing_requests": settings.max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": settings.cpus_per_replica, "num_gpus": gpus},
+        "health_check_period_s": 10.0,
+        "health_check_timeout_s": 60.0,
+        "graceful_shutdown_timeout_s": 30.0,
+    }
+    if settings.max_replicas is not None:
+        low = 1 if settings.min_replicas is None else settings.min_replicas
+        options["autoscaling_config"] = {
+            "min_replicas": low, "initial_replicas": max(low, 1), "max_replicas": settings.max_replicas,
+            "target_ongoing_requests": settings.target_ongoing_requests,
+        }
+    else:
+        options["num_replicas"] = settings.num_replicas
+    if gpus > 0:  # the engine's GPUs reserved with the replica, on one node
+        options["placement_group_bundles"] = [{"CPU": float(settings.cpus_per_replica), "GPU": float(gpus)}]
+        options["placement_group_strategy"] = settings.placement_strategy
+    if settings.max_replicas_per_node is not None:
+        options["max_replicas_per_node"] = settings.max_replicas_per_node
+    return options
+
+
+def read_api_key(environ: dict[str, str] | os._Environ[str], key_file: str | None,
+                 warn: Callable[[str], None] = print) -> str:
+    """The API key: the contents of ``key_file`` when given, else ``$RAYGYM_SERVE_API_KEY``.
+
+    Raises :class:`ConfigError` when neither holds a key (the server never runs without one)."""
+    if key_file:
+        path = Path(key_file).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"api_key_file={key_file!r}: no such file; write the key into it (chmod 600)")
+        if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            warn(f"warning: {path} is readable by other users; chmod 600 it")
+        key = path.read_text().strip()
+        if not key:
+            raise ConfigError(f"api_key_file={key_file!r}: the file is empty; write the key into it")
+        return key
+    key = environ.get(API_KEY_ENV, "").strip()
+    if not key:
+        raise ConfigError(f"no API key: export {API_KEY_ENV}=... or pass --api-key-file PATH "
+                          "(the server refuses to run without one; keys never go on the command line)")
+    if len(key) < 8:
+        raise ConfigError(f"{API_KEY_ENV}: the key is shorter than 8 characters; use a long random one")
+    return key
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """What a replica is built from (travels to the replicas; holds the key's digest, not the key)."""
+
+    settings: ServeSettings
+    api_key_digest: str
+
+
+def _context_len(model_dir: str) -> int | None:
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None
+
+
+class OpenAIReplica:
+    """One Serve replica: starts its engine, then serves the OpenAI routes in front of it."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        import asyncio
+        import tempfile
+
+        import ray
+        from transformers import AutoTokenizer
+
+        from raygym.graph import choose_rollout_engine
+        from raygym.rollout.engine import EngineActor
+        from raygym.serve.front import OpenAIFront
+
+        settings = spec.settings
+        self.spec = spec
+        kind = choose_rollout_engine(settings.engine)
+        gpus = settings.gpus_per_replica or 0
+        gpu_ids = [int(g) for g in ray.get_gpu_ids()] if gpus > 0 else []
+        engine_settings = {**settings.engine_settings, "rollout_num_gpus_per_engine": max(1, gpus)}
+        self.engine = EngineActor(engine_settings, engine_index=0, model_path=settings.model_dir, gpu_ids=gpu_ids,
+                                  host="127.0.0.1", backend=kind,
+                                  log_dir=tempfile.mkdtemp(prefix="raygym-serve-engine-"))
+        self.engine.start()
+        tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
+
+        async def generate(payload: dict[str, Any]) -> Any:
+            return await asyncio.to_thread(self.engine.generate, payload)
+
+        self.front = OpenAIFront(tokenizer, generate, settings.model_name,
+                                 context_len=_context_len(settings.model_dir),
+                                 default_max_tokens=settings.default_max_tokens)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from raygym.serve.http import build_http_app
+
+        return build_http_app(self.front, self.spec.api_key_digest)
+
+    def check_health(self) -> None:
+        """Serve's health probe: a dead engine makes the replica unhealthy (Serve replaces it)."""
+        if not self.engine.alive():
+            raise RuntimeError("the replica's engine server exited; see its log:\n" + self.engine.log_tail(20))
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+
+
+def build_application(spec: ReplicaSpec) -> Any:
+    """The bound Serve application for ``spec`` (pass it to ``serve.run``)."""
+    from ray import serve
+
+    deployment: Any = serve.deployment(serve.ingress()(OpenAIReplica))
+    return deployment.options(**deployment_options(spec.settings)).bind(spec)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a started deployment answers."""
+
+    url: str  # base URL of the OpenAI API, e.g. http://127.0.0.1:8000/v1
+    model_name: str
+    settings: dict[str, Any]
+
+
+@contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGINT and SIGTERM set ``stop`` while inside (main thread only). Installed after Ray started:
+    Ray's own SIGTERM handler would end the process without removing the deployment."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_server(settings: ServeSettings, api_key: str, *, host: str = "127.0.0.1", port: int = 8000,
+               route_prefix: str = "/", detach: bool = False, say: Callable[[str], None] = print,
+               stop: threading.Event | None = None, on_ready: Callable[[Endpoint], None] | None = None) -> Endpoint:
+    """Deploy and (unless ``detach``) serve until ``stop`` is set or Ctrl-C; then end what was started.
+
+    Attaches to the Ray of this process or ``RAY_ADDRESS``, else starts a local Ray (shut down at the end).
+    ``detach`` (only on an existing cluster) leaves the application running there and returns at once.
+    """
+    import ray
+    from ray import serve
+
+    from raygym.driver import connect_ray
+    from raygym.serve.http import key_digest
+
+    settings.check()
+    if not route_prefix.startswith("/"):
+        raise ConfigError(f"route_prefix={route_prefix!r}: must start with '/'")
+    owns_ray = connect_ray(0)
+    if detach and owns_ray:
+        ray.shutdown()
+        raise ConfigError("--detach needs an existing Ray cluster (set RAY_ADDRESS); a private local Ray ends "
+                          "with this process")
+    if settings.gpus_per_replica is None:
+        settings = replace(settings, gpus_per_replica=int(ray.cluster_resources().get("GPU", 0) > 0))
+    try:
+        serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
+        serve.run(build_application(ReplicaSpec(settings, key_digest(api_key))), name=APP_NAME,
+                  route_prefix=route_prefix, blocking=False)
+        base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}{route_prefix.rstrip('/')}/v1"
+        endpoint = Endpoint(base, settings.model_name, asdict(settings))
+        say(f"serving {settings.model_name} at {base} (OpenAI API; Ctrl-C stops)"
+            if not detach else f"deployed {settings.model_name} at {base} (application {APP_NAME!r})")
+        if on_ready is not None:
+            on_ready(endpoint)
+        if detach:
+            return endpoint
+        stop = stop or threading.Event()
+        with _stop_on_signals(stop):  # Ctrl-C, `ray job stop`, `docker stop`: end the deployment cleanly
+            stop.wait()
+        say("stopping: removing the deployment")
+        return endpoint
+    finally:
+        if not detach:
+            try:
+                if owns_ray:
+                    serve.shutdown()  # replicas end their engines (graceful shutdown runs their __del__)
+                else:
+                    serve.delete(APP_NAME)
+            finally:
+                if owns_ray:
+                    ray.shutdown()
+
+
+__all__ = ["API_KEY_ENV", "Endpoint", "OpenAIReplica", "ReplicaSpec", "ServeSettings", "build_application",
+           "deployment_options", "read_api_key", "run_server"]

@@ -1,0 +1,189 @@
+"""The HTTP side of ``raygym serve``: a FastAPI app over an :class:`~raygym.serve.front.OpenAIFront`.
+
+Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions``
+and an unauthenticated ``GET /health`` (for load balancers; it says nothing about the model).
+
+Every other request needs ``Authorization: Bearer <key>``. The app holds only the SHA-256 digest of the
+key (:func:`key_digest`), never the key, and compares digests in constant time; a request without a
+valid key gets 401 before its body is read. Errors are OpenAI-shaped (``{"error": {...}}``), including
+malformed JSON, bad fields (400, ``param`` names the field), unknown routes (404) and engine failures.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the route annotations (Request) at runtime.
+import hashlib
+import hmac
+import json
+import logging
+from typing import Any
+
+import pydantic
+
+from raygym.serve.front import OpenAIError, OpenAIFront
+from raygym.serve.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameter
+
+log = logging.getLogger(__name__)
+
+UNAUTHENTICATED_PATHS = frozenset({"/health"})
+
+
+def key_digest(key: str) -> str:
+    """Hex SHA-256 of an API key: what the serving processes hold instead of the key.
+
+    >>> key_digest("k")[:12]
+    '8254c329a92e'
+    """
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def authorized(header: str | None, digest: str) -> bool:
+    """True when ``header`` is ``Bearer <key>`` for the key of ``digest`` (constant-time compare).
+
+    >>> authorized("Bearer k", key_digest("k")), authorized("Bearer x", key_digest("k")), authorized(None, "")
+    (True, False, False)
+    """
+    if not header or not digest:
+        return False
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return False
+    return hmac.compare_digest(key_digest(token.strip()), digest)
+
+
+def validation_error(exc: pydantic.ValidationError) -> OpenAIError:
+    """A pydantic ValidationError as OpenAI's 400 (``param`` = the offending field)."""
+    errors = exc.errors()
+    if not errors:
+        return OpenAIError(400, str(exc))
+    first = errors[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, UnsupportedParameter):
+        return OpenAIError(400, str(cause), param=cause.param)
+    where = ".".join(str(p) for p in first.get("loc", ()) if not str(p).startswith("function-after"))
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if first.get("type") == "missing":
+        return OpenAIError(400, f"you must provide a {where} parameter", param=where or None)
+    return OpenAIError(400, f"{where}: {message}" if where else message, param=where or None)
+
+
+def _engine_message(body: str) -> str:
+    """The message of an engine's JSON error body (SGLang and raygym's server: ``{"error": {"message"}}``).
+
+    >>> _engine_message('{"error": {"message": "bad top_k"}}'), _engine_message("plain text")
+    ('bad top_k', 'plain text')
+    """
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return body[:500]
+    if isinstance(parsed, dict):
+        error = parsed.get("error", parsed)
+        message = error.get("message") if isinstance(error, dict) else error
+        if isinstance(message, str):
+            return message[:500]
+    return body[:500]
+
+
+def engine_error(exc: Exception) -> OpenAIError:
+    """An engine failure as OpenAI's error: the engine's 4xx refusals are the client's (400), the rest 5xx."""
+    from raygym.rollout.client import EngineConnectionError, EngineHTTPError
+
+    if isinstance(exc, EngineHTTPError) and 400 <= exc.status < 500:
+        return OpenAIError(400, f"the engine refused the request: {_engine_message(exc.body)}")
+    if isinstance(exc, EngineConnectionError):
+        return OpenAIError(503, "the engine is unavailable; retry shortly", type="server_error",
+                           code="engine_unavailable")
+    return OpenAIError(500, "the engine failed to generate", type="server_error")
+
+
+def build_http_app(front: OpenAIFront, api_key_digest: str) -> Any:
+    """The FastAPI app of one replica."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from pydantic import ValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    app = FastAPI(title="raygym serve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error_response(err: OpenAIError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next: Any) -> Any:
+        if request.url.path not in UNAUTHENTICATED_PATHS:
+            header = request.headers.get("authorization")
+            if not authorized(header, api_key_digest):
+                message = ("Incorrect API key provided." if header else
+                           "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.")
+                return error_response(OpenAIError(401, message, code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(OpenAIError)
+    async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        text = f"Invalid URL ({request.method} {request.url.path})" if exc.status_code in (404, 405) else str(exc.detail)
+        return error_response(OpenAIError(exc.status_code, text))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("raygym serve: %s %s failed", request.method, request.url.path)
+        return error_response(OpenAIError(500, "internal server error", type="server_error"))
+
+    async def parse(request: Request, model: Any) -> Any:
+        try:
+            body = json.loads(await request.body() or b"null")
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise OpenAIError(400, "We could not parse the JSON body of your request.") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the request body must be a JSON object")
+        try:
+            return model.model_validate(body)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+
+    async def run(coro: Any) -> Any:
+        try:
+            return await coro
+        except OpenAIError:
+            raise
+        except Exception as exc:
+            err = engine_error(exc)
+            if err.status >= 500:
+                log.warning("raygym serve: engine call failed: %s", exc)
+            raise err from None
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(front.models().model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        return JSONResponse(front.model(model_id).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        req = await parse(request, CompletionRequest)
+        generation = await run(front.complete(req))
+        if req.stream:
+            return StreamingResponse(front.completion_events(req, generation), media_type="text/event-stream")
+        return JSONResponse(front.completion_body(req, generation).model_dump())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        req = await parse(request, ChatCompletionRequest)
+        generation = await run(front.chat(req))
+        if req.stream:
+            return StreamingResponse(front.chat_events(req, generation), media_type="text/event-stream")
+        return JSONResponse(front.chat_body(req, generation).model_dump())
+
+    return app
+
+
+__all__ = ["authorized", "build_http_app", "engine_error", "key_digest", "validation_error"]
