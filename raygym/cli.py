@@ -214,6 +214,12 @@ def bench(ctx: click.Context, name: str) -> None:
     ctx.exit(subprocess.call([sys.executable, str(script), *ctx.args]))
 
 
+# ``raygym data prepare`` (raygym/cli_data.py)
+from raygym.cli_data import data as _data_group  # noqa: E402
+
+app.add_command(_data_group)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``raygym`` console script; returns the exit code."""
     try:
