@@ -540,7 +540,7 @@ class Recipe(_Section):
     # ── environments, LLM judge, on-policy distillation (raygym/envs, raygym/judge.py, raygym/distill.py) ──
     rollout_env: CustomFunction = _f(
         None, "Multi-turn environment: a raygym.envs.Environment class or factory ('pkg.module:Class'); each "
-        "sample plays one episode and, without a custom_rm_function, its reward is the episode's.",
+        "sample plays one episode; rm_type='env' (or unset) rewards it with the episode's reward.",
     )
     rollout_env_max_turns: int = _f(4, "Model turns per episode of rollout_env.")
     rollout_env_max_context_len: int | None = _f(

@@ -48,6 +48,7 @@ class RunGraph:
     synced_engines: list[int] = field(default_factory=list)  # engine indexes the weight sync covers
     trainer_info: list[dict[str, Any]] = field(default_factory=list)  # what each trainer rank's init() returned
     critics: Any = None  # ActorGroup of TrainerActor(role="critic") when use_critic, else None
+    aux: Any = None  # raygym.aux_groups.AuxGroups: the judge engines and the distillation teacher
 
     @property
     def single_pass_log_probs(self) -> bool:
@@ -96,6 +97,8 @@ class RunGraph:
                 step()
             except Exception as exc:  # keep tearing down the rest
                 logger.debug("shutdown of %s failed: %s", what, exc)
+        if self.aux is not None:
+            self.aux.shutdown()
         for group in (self.engines, self.critics, self.trainers):
             if group is not None:
                 group.kill()
@@ -113,6 +116,7 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
     import ray
 
     from raygym.actor_group import call_all, start_engine_group, start_trainer_group
+    from raygym.aux_groups import aux_manager_kwargs, start_aux_groups
     from raygym.placement import allocate_for_recipe
     from raygym.rollout.engine import EngineActor
     from raygym.rollout.manager import RolloutManager
@@ -155,9 +159,11 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
         graph.trainer_info = list(ray.get(init_refs))
         ray.get(critic_refs)
         graph.engine_urls = ray.get(url_refs)
+        graph.aux = start_aux_groups(recipe, run_dir, engine_kind, say)
         manager_cls = ray.remote(RolloutManager)
         graph.manager = manager_cls.options(num_cpus=0, max_concurrency=64).remote(
-            cfg, graph.engines.handles, model_path, data_cache_dir=str(run_dir / "cache")
+            cfg, graph.engines.handles, model_path, data_cache_dir=str(run_dir / "cache"),
+            **aux_manager_kwargs(recipe, graph.aux, run_dir),
         )
         graph.make_weight_sync(list(range(len(graph.engines))))
         call_all(graph.trainers, "get_rank")  # surfaces an init failure now, with its traceback

@@ -1,18 +1,21 @@
 """A calculator tool on arithmetic word problems: the multi-turn example environment.
 
-The prompt is a word problem ending in ``calc:``. A model turn that ends with ``=`` is a tool call:
-its expression (digits and ``+ - * /``) is evaluated and the result comes back as the observation,
-followed by ``answer:``. Any other turn is the final answer and ends the episode.
+The prompt is a word problem ending in ``calc:``. A model turn that ends with ``=`` is a tool call: the
+calculator reads the arithmetic expression (digits and ``+ - * /``) written right before the ``=``
+(anything earlier in the turn is ignored) and answers with its value, then ``answer:``; a call with no
+expression before ``=`` gets ``error`` (a tool error). Any other turn is the final answer and ends the
+episode.
 
-Reward (at most 1.0): 0.1 for the first tool call that evaluates, 0.2 more if its result is the
-right answer, and 0.7 for a final answer equal to the right answer. A model that cannot add still
-gets a signal for calling the tool, and the tool's answer is worth copying.
+Reward (at most 1.0), so that a model that cannot add yet still has something to learn: 0.1 for the
+first tool call that evaluates, 0.2 more if its value is the right answer; 0.1 for a final answer that
+is a bare number, 0.6 more if it is the right one.
 
 Data: ``python -m raygym.envs.calculator --out DIR`` writes ``train.jsonl`` and ``eval.jsonl``.
 
 >>> env = CalculatorEnv(); env.reset("tom has 23 pens and gets 58 more. how many now?\\ncalc:", "81", {})
->>> env.step("23+58=")
-Step(observation='81\\nanswer:', reward=0.30000000000000004, done=False, tool_call=True, tool_error=False)
+>>> step = env.step("so 23+58=")
+>>> step.observation, round(step.reward, 2), step.tool_call, step.tool_error
+('81\\nanswer:', 0.3, True, False)
 >>> env.step("81").reward, env.step("81").done
 (0.7, True)
 """
@@ -31,6 +34,7 @@ from raygym.envs.base import Environment, Step
 
 _EXPRESSION = re.compile(r"\s*\d{1,12}(\s*[-+*/]\s*\d{1,12}){0,8}\s*")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_TRAILING_EXPRESSION = re.compile(r"\d{1,12}(\s*[-+*/]\s*\d{1,12}){0,8}\s*$")
 NAMES = ("tom", "ann", "sam", "lea", "max", "ivy")
 THINGS = ("apple", "pen", "book", "coin", "card", "shell")
 
@@ -77,7 +81,8 @@ class CalculatorEnv(Environment):
     def step(self, action: str) -> Step:
         text = action.strip()
         if text.endswith("="):
-            result = evaluate(text[:-1])
+            found = _TRAILING_EXPRESSION.search(text[:-1])
+            result = evaluate(found.group(0)) if found else None
             if result is None:
                 return Step(observation="error\ncalc:", tool_call=True, tool_error=True)
             reward = 0.0
@@ -85,9 +90,9 @@ class CalculatorEnv(Environment):
                 self.rewarded_call = True
                 reward = 0.1 + (0.2 if result == self.answer else 0.0)
             return Step(observation=f"{result}\nanswer:", reward=reward, tool_call=True)
-        found = _NUMBER.match(text)
-        return Step(reward=0.7 if found and found.group(0) == self.answer and text == found.group(0) else 0.0,
-                    done=True)
+        if not _NUMBER.fullmatch(text):
+            return Step(done=True)
+        return Step(reward=0.7 if text == self.answer else 0.1, done=True)
 
 
 def word_problem(rng: random.Random) -> dict[str, Any]:

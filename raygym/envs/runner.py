@@ -106,7 +106,7 @@ class EpisodeRunner:
             reward += float(step.reward)
             calls += int(step.tool_call)
             errors += int(step.tool_error)
-            if step.done:
+            if step.done or turns == self.max_turns:  # no observation nobody would answer
                 break
             observed = self._encode(step.observation)
             if self.max_context_len is not None:

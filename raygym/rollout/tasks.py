@@ -31,15 +31,19 @@ def episode_runner(settings: Any, tokenizer: Any, custom_generate: Any) -> Any:
 
 
 def task_reward_model(cfg: Any, judge: Any) -> RewardModel | None:
-    """The reward model of a judge run (``rm_type='judge'``) or of an environment run without a reward of
-    its own (the episode's reward); None = the usual :func:`raygym.rewards.reward_model_from_config`."""
+    """The reward model of a judge run (``rm_type='judge'``) or of an environment run (``rm_type='env'``,
+    or unset, with ``rollout_env``: the episode's reward); None = the usual
+    :func:`raygym.rewards.reward_model_from_config` (with ``rollout_env`` and another ``rm_type`` that
+    verifier scores the episode's whole response text)."""
     recipe = cfg.recipe
     post = recipe.custom_reward_post_process_function
     if recipe.rm_type == "judge" and recipe.custom_rm_function is None:
         if judge is None:
             raise ConfigError("rm_type='judge' but no judge engines were started; set judge_hf_checkpoint")
         return RewardModel(None, judge.score_samples, post)
-    if recipe.rollout_env is not None and recipe.custom_rm_function is None and recipe.rm_type is None:
+    if recipe.rm_type == "env" and recipe.rollout_env is None:
+        raise ConfigError("rm_type='env' rewards environment episodes; set rollout_env too (or another rm_type)")
+    if recipe.rollout_env is not None and recipe.custom_rm_function is None and recipe.rm_type in (None, "env"):
         from raygym.envs.runner import episode_reward
 
         return RewardModel(None, episode_reward, post)

@@ -1,10 +1,11 @@
 """Code execution as a reward: run the response's code against tests in a sandbox.
 
-:class:`CodeReward` is a ``custom_rm_function`` (per sample; it blocks, so the reward thread pool runs it): it takes the code from the
-response (the last fenced ```python block, else the whole response, after an optional fixed
+:class:`CodeReward` is a ``custom_rm_function`` (per sample; it blocks, so the reward thread pool
+runs it): it takes the code from the response (the last fenced ```python block, else the whole response, after an optional fixed
 ``prefix`` such as ``"f=lambda x:"`` that the prompt already wrote), the tests from the sample's
 label (a list of Python statements, or JSON text of one) or ``metadata["tests"]``, runs them in a
-:class:`raygym.sandbox.pool.SandboxPool` and returns the fraction of tests passed (``all_or_nothing``:
+:class:`raygym.sandbox.pool.SandboxPool` (the same code on the same tests runs once: a cache) and
+returns the fraction of tests passed (``all_or_nothing``:
 1.0 only when every test passed). Code that times out, crashes, exhausts a limit or never defines
 what the tests call scores 0 on the tests it did not pass.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from typing import Any
 
 from raygym.sandbox.harness import TestReport
@@ -51,8 +53,10 @@ class CodeReward:
     """Reward = tests passed in a sandbox (see the module docs)."""
 
     def __init__(self, *, prefix: str = "", all_or_nothing: bool = False, pool_size: int = 4,
-                 limits: Limits | None = None, backend: str | None = None) -> None:
+                 limits: Limits | None = None, backend: str | None = None, cache_size: int = 4096) -> None:
         self.prefix = prefix
+        self.cache_size = cache_size  # (code, tests) -> report; generated code repeats once a policy converges
+        self._cache: OrderedDict[tuple[str, tuple[str, ...]], TestReport] = OrderedDict()
         self.all_or_nothing = all_or_nothing
         self.pool_size, self.limits, self.backend = pool_size, limits or Limits(), backend
         self._pool: Any = None
@@ -74,8 +78,23 @@ class CodeReward:
             return 1.0 if report.passed == report.total else 0.0
         return report.fraction
 
+    def run(self, code: str, tests: list[str]) -> TestReport:
+        """The report for ``code`` on ``tests``: from the cache, else from a sandbox run."""
+        key = (code, tuple(tests))
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        report = self.pool().run_tests(code, tests)
+        with self._lock:
+            if self.cache_size:
+                self._cache[key] = report
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        return report
+
     def __call__(self, sample: Sample) -> float:
-        report = self.pool().run_tests(extract_code(sample.response_text, self.prefix), sample_tests(sample))
+        report = self.run(extract_code(sample.response_text, self.prefix), sample_tests(sample))
         sample.metrics.update({"code_tests_passed": report.fraction, "code_timeouts": float(report.timed_out),
                                "code_loaded": float(report.loaded)})
         return self.score_report(report)

@@ -1,0 +1,25 @@
+"""The code example's reward: tests passed by the completed ``f=lambda x:...``, run in raygym's sandbox
+(two sandbox actors, 2 CPU-seconds and 5 s per run).
+
+A tiny model starts out writing random characters, which almost never compile, so the reward also
+pays for getting there: 0.1 when the body starts like an expression (a digit or ``x``), 0.2 when the
+completed code runs in the sandbox without an error, and 0.7 times the fraction of tests passed.
+``raygym.sandbox.reward:code_reward`` is the plain version (the fraction of tests passed).
+"""
+
+from __future__ import annotations
+
+from raygym.sandbox.isolation import Limits
+from raygym.sandbox.reward import CodeReward
+from raygym.types import Sample
+
+PREFIX = "f=lambda x:"
+tests_passed = CodeReward(prefix=PREFIX, pool_size=2, limits=Limits(cpu_seconds=2, wall_seconds=5.0))
+
+
+def score(sample: Sample) -> float:
+    """0.1 format + 0.2 runs + 0.7 x tests passed (see the module docs)."""
+    body = sample.response_text.strip()
+    fraction = tests_passed(sample)  # also records code_tests_passed / code_loaded in sample.metrics
+    starts_right = 0.1 if body[:1].isdigit() or body[:1] == "x" else 0.0
+    return starts_right + 0.2 * sample.metrics["code_loaded"] + 0.7 * fraction
