@@ -142,10 +142,11 @@ def test_writing_outside_its_directory_fails(box, tmp_path):
                Path(__file__).parent / tag, Path.home() / tag]
     # /tmp, /var/tmp and /dev/shm are the sandbox's own private ones: writing there is allowed and must not
     # show on the host; the host directories must refuse the write.
-    attack = ("for p in %r:\n    try:\n        open(p, 'w').write('owned')\n    except OSError:\n        pass\n"
-              "for p in %r:\n    try:\n        open(p, 'w').write('owned')\n        worked = True\n"
-              "    except OSError:\n        pass\n") % ([str(t) for t in targets[1:4]],
-                                                     [str(t) for t in (targets[0], *targets[4:])])
+    private = [str(t) for t in targets[1:4]]
+    host = [str(t) for t in (targets[0], *targets[4:])]
+    attack = (f"for p in {private!r}:\n    try:\n        open(p, 'w').write('owned')\n    except OSError:\n"
+              f"        pass\nfor p in {host!r}:\n    try:\n        open(p, 'w').write('owned')\n"
+              "        worked = True\n    except OSError:\n        pass\n")
     report = run_tests(box, hostile(attack), TEST)
     assert report.passed == 0 and report.loaded
     assert [t for t in targets if t.exists()] == []
