@@ -198,3 +198,12 @@ def test_killing_its_parent_or_host_processes_fails(box):
     finally:
         sentinel.send_signal(signal.SIGKILL)
         sentinel.wait()
+
+
+def test_one_call_helpers_score_honest_and_hostile_code():
+    from raygym.sandbox import run_code, score_code
+
+    assert score_code("def f(x):\n    return x + 1\n", ["assert f(1) == 2", "assert f(2) == 4"], FAST) == 0.5
+    assert score_code("import os\nos.system('echo hi > /tmp/x')\nwhile True:\n    pass\n", TEST, FAST) == 0.0
+    result = run_code("import sys\nprint('out')\nsys.exit(3)", FAST)
+    assert (result.exit_code, result.stdout, result.timed_out) == (3, "out\n", False)
