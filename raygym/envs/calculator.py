@@ -3,12 +3,13 @@
 The prompt is a word problem ending in ``calc:``. A model turn that ends with ``=`` is a tool call: the
 calculator reads the arithmetic expression (digits and ``+ - * /``) written right before the ``=``
 (anything earlier in the turn is ignored) and answers with its value, then ``answer:``; a call with no
-expression before ``=`` gets ``error`` (a tool error). Any other turn is the final answer and ends the
-episode.
+expression before ``=`` gets ``error`` (a tool error). Any other turn is the final answer (the number it
+starts with) and ends the episode.
 
 Reward (at most 1.0), so that a model that cannot add yet still has something to learn: 0.1 for the
-first tool call that evaluates, 0.2 more if its value is the right answer; 0.1 for a final answer that
-is a bare number, 0.6 more if it is the right one.
+first tool call that evaluates, 0.2 more if its value is the right answer; 0.7 for a final answer that
+starts with the right number, or 0.1 for one that starts with another number after a tool call that
+evaluated (so answering without the tool earns nothing unless it is right).
 
 Data: ``python -m raygym.envs.calculator --out DIR`` writes ``train.jsonl`` and ``eval.jsonl``.
 
@@ -90,9 +91,12 @@ class CalculatorEnv(Environment):
                 self.rewarded_call = True
                 reward = 0.1 + (0.2 if result == self.answer else 0.0)
             return Step(observation=f"{result}\nanswer:", reward=reward, tool_call=True)
-        if not _NUMBER.fullmatch(text):
+        found = _NUMBER.match(text)
+        if found is None:
             return Step(done=True)
-        return Step(reward=0.7 if text == self.answer else 0.1, done=True)
+        if found.group(0) == self.answer:
+            return Step(reward=0.7, done=True)
+        return Step(reward=0.1 if self.rewarded_call else 0.0, done=True)  # format credit only after the tool
 
 
 def word_problem(rng: random.Random) -> dict[str, Any]:
