@@ -1,8 +1,8 @@
 """Scoring code by tests: the program the sandbox runs, and how its output is read.
 
 The sandboxed program executes the candidate code, then each test (a Python statement, e.g.
-``assert f(2) == 4``) in the candidate's namespace, and prints one line per test that passed,
-prefixed with a per-run random nonce. Only lines with the nonce count, so text the candidate prints
+``assert f(2) == 4``) in the candidate's namespace, and prints one line per test that passed (or
+whose assertion failed: the code ran but gave a wrong value), prefixed with a per-run random nonce. Only lines with the nonce count, so text the candidate prints
 cannot pass a test; a run that times out or is killed keeps the passes it printed before.
 
 (The nonce is in the interpreter's memory, so code written to search that memory could forge a
@@ -30,6 +30,9 @@ except BaseException as _exc:
 for _i, _test in enumerate(_spec["tests"]):
     try:
         exec(compile(_test, "<test>", "exec"), _ns)
+    except AssertionError:
+        _out.write("{nonce} FAIL " + str(_i) + "\\n"); _out.flush()
+        continue
     except BaseException:
         continue
     _out.write("{nonce} PASS " + str(_i) + "\\n"); _out.flush()
@@ -42,6 +45,7 @@ class TestReport:
 
     passed: int
     total: int
+    failed: int  # tests that ran and whose assertion failed (the others raised another error or never ran)
     loaded: bool  # the candidate code itself ran without an exception
     load_error: str | None  # the exception type that stopped it (e.g. MemoryError)
     timed_out: bool
@@ -52,6 +56,11 @@ class TestReport:
     def fraction(self) -> float:
         return self.passed / self.total if self.total else 0.0
 
+    @property
+    def ran_fraction(self) -> float:
+        """Tests whose code ran to its assertion (passed or failed), without another exception."""
+        return (self.passed + self.failed) / self.total if self.total else 0.0
+
 
 def build_program(code: str, tests: Sequence[str], nonce: str) -> str:
     """The sandboxed program for ``code`` and ``tests``."""
@@ -61,17 +70,19 @@ def build_program(code: str, tests: Sequence[str], nonce: str) -> str:
 
 def read_report(result: RunResult, total: int, nonce: str) -> TestReport:
     passed: set[int] = set()
+    failed: set[int] = set()
     load_error = None
     for line in result.stdout.splitlines():
         parts = line.split(" ")
         if len(parts) != 3 or parts[0] != nonce:
             continue
-        if parts[1] == "PASS" and parts[2].isdigit() and int(parts[2]) < total:
-            passed.add(int(parts[2]))
+        if parts[1] in ("PASS", "FAIL") and parts[2].isdigit() and int(parts[2]) < total:
+            (passed if parts[1] == "PASS" else failed).add(int(parts[2]))
         elif parts[1] == "LOAD":
             load_error = parts[2]
     loaded = load_error is None and (bool(passed) or result.ok)
-    return TestReport(passed=len(passed), total=total, loaded=loaded, load_error=load_error,
+    return TestReport(passed=len(passed), total=total, failed=len(failed - passed), loaded=loaded,
+                      load_error=load_error,
                       timed_out=result.timed_out, exit_code=result.exit_code, stderr_tail=result.stderr[-500:])
 
 

@@ -95,8 +95,8 @@ class CodeReward:
 
     def __call__(self, sample: Sample) -> float:
         report = self.run(extract_code(sample.response_text, self.prefix), sample_tests(sample))
-        sample.metrics.update({"code_tests_passed": report.fraction, "code_timeouts": float(report.timed_out),
-                               "code_loaded": float(report.loaded)})
+        sample.metrics.update({"code_tests_passed": report.fraction, "code_tests_ran": report.ran_fraction,
+                               "code_timeouts": float(report.timed_out), "code_loaded": float(report.loaded)})
         return self.score_report(report)
 
 

@@ -29,7 +29,7 @@ def readme_commands(name: str) -> list[str]:
     return [line.strip() for line in block.group(1).splitlines() if line.strip().startswith(("raygym ", "python -m "))]
 
 
-def run_example(name: str, tmp: Path, *, train_flags: list[str], timeout: float = 240) -> list[dict[str, Any]]:
+def run_example(name: str, tmp: Path, *, train_flags: list[str], timeout: float = 540) -> list[dict[str, Any]]:
     """Run the README's commands (moved into ``tmp``); returns the metrics rows of the last training run."""
     moved = str(tmp) + "/"
     ray_tmp = tempfile.mkdtemp(prefix="rgx-", dir="/tmp")  # short: Ray's socket paths have a length limit

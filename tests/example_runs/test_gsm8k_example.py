@@ -7,7 +7,7 @@ import json
 import pytest
 from readme_runner import run_example
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 def test_gsm8k_example_runs_from_its_readme(tmp_path):

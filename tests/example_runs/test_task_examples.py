@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from readme_runner import run_example
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 SHORT = ["--num-rollout", "3", "--rollout-batch-size", "4", "--global-batch-size", "32", "--no-eval-interval"]
 
 
