@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from raygym.errors import RaygymError
 from raygym.sandbox.isolation import Limits, backend_argv, detect_backend, python_executable
@@ -123,21 +124,29 @@ class Sandbox:
                 extra_groups=[] if as_root else None, env={"PATH": "/usr/bin:/bin"},
             )
             timed_out = False
+            readers = [_BoundedReader(proc.stdout, limits.output_bytes), _BoundedReader(proc.stderr, limits.output_bytes)]
             try:
-                out, err = proc.communicate(source.encode(), timeout=limits.wall_seconds)
+                try:
+                    assert proc.stdin is not None
+                    proc.stdin.write(source.encode())
+                    proc.stdin.close()
+                except BrokenPipeError:  # it died before reading its program; its exit code says why
+                    pass
+                proc.wait(timeout=limits.wall_seconds)
             except subprocess.TimeoutExpired:
                 timed_out = True
                 _kill_group(proc.pid)
-                out, err = proc.communicate()
+                proc.wait()
             except BaseException:
                 _kill_group(proc.pid)
                 proc.wait()
                 raise
+            out, err = (reader.result(timeout=5.0) for reader in readers)
             leftovers = self._kill_leftovers() if as_root else 0
             return RunResult(
                 exit_code=None if timed_out else proc.returncode,
-                stdout=out[: limits.output_bytes].decode(errors="replace"),
-                stderr=err[: limits.output_bytes].decode(errors="replace"),
+                stdout=out.decode(errors="replace"),
+                stderr=err.decode(errors="replace"),
                 timed_out=timed_out, seconds=time.monotonic() - started, leftover_processes=leftovers,
             )
 
@@ -156,6 +165,28 @@ class Sandbox:
                     pass
             time.sleep(0.01)  # the kernel reaps them asynchronously
         return len(killed)
+
+
+class _BoundedReader:
+    """Drains a pipe on a thread, keeping at most ``cap`` bytes: a program that floods its output cannot
+    fill the host's memory (nor block on a full pipe)."""
+
+    def __init__(self, stream: Any, cap: int) -> None:
+        self.stream, self.cap = stream, cap
+        self.kept = bytearray()
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        while chunk := self.stream.read1(65536):
+            room = self.cap - len(self.kept)
+            if room > 0:
+                self.kept += chunk[:room]
+
+    def result(self, timeout: float) -> bytes:
+        # The group is dead; a grandchild that escaped the group could still hold the pipe: don't wait forever.
+        self.thread.join(timeout)
+        return bytes(self.kept)
 
 
 def _kill_group(pgid: int) -> None:
