@@ -2,7 +2,7 @@
 
 Each prompt shows f on 0, 1 and 2 and ends with ``f=lambda x:``; the model writes the body. The label
 holds the tests (the three shown and two hidden inputs). The tiny model's alphabet has no brackets or
-underscores, so the functions are ``x+k``, ``x*k`` and ``k``.
+underscores, so the functions are ``x+k`` (the default set), ``x*k`` and ``k``.
 
     python -m examples.code_sandbox.make_data --out runs/examples/code-data
 """
@@ -22,18 +22,20 @@ def task(kind: str, k: int) -> dict:
     return {"prompt": f"f {shown}\nf=lambda x:", "label": tests, "metadata": {"kind": kind, "k": k}}
 
 
-def all_tasks() -> list[dict]:
-    return ([task("add", k) for k in range(1, 10)] + [task("mul", k) for k in range(2, 6)]
-            + [task("const", k) for k in range(10)])
+def all_tasks(kinds: tuple[str, ...] = ("add",)) -> list[dict]:
+    """Every task of ``kinds``: ``add`` (x+k, k = 0..9), ``mul`` (x*k, k = 2..5), ``const`` (k, k = 0..9)."""
+    ranges = {"add": range(10), "mul": range(2, 6), "const": range(10)}
+    return [task(kind, k) for kind in kinds for k in ranges[kind]]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--eval", type=int, default=4, help="tasks held out for eval")
+    parser.add_argument("--eval", type=int, default=2, help="tasks held out for eval")
+    parser.add_argument("--kinds", default="add", help="comma-separated: add, mul, const")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    rows = all_tasks()
+    rows = all_tasks(tuple(k.strip() for k in args.kinds.split(",") if k.strip()))
     random.Random(args.seed).shuffle(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -2,9 +2,9 @@
 (two sandbox actors, 2 CPU-seconds and 5 s per run).
 
 A tiny model starts out writing random characters, which almost never compile, so the reward also
-pays for getting there: 0.1 when the body starts like an expression (a digit or ``x``), 0.2 times the
-fraction of tests whose call of ``f`` ran (passed, or returned a wrong value, rather than raising:
-a lambda body is only evaluated when called), and 0.7 times the fraction of tests passed.
+pays a little for getting there: 0.05 when the body starts like an expression (a digit or ``x``), 0.15
+times the fraction of tests whose call of ``f`` ran (passed, or returned a wrong value, rather than
+raising: a lambda body is only evaluated when called), and 0.8 times the fraction of tests passed.
 ``raygym.sandbox.reward:code_reward`` is the plain version (the fraction of tests passed).
 """
 
@@ -19,8 +19,8 @@ tests_passed = CodeReward(prefix=PREFIX, pool_size=2, limits=Limits(cpu_seconds=
 
 
 def score(sample: Sample) -> float:
-    """0.1 format + 0.2 x tests that ran + 0.7 x tests passed (see the module docs)."""
+    """0.05 format + 0.15 x tests that ran + 0.8 x tests passed (see the module docs)."""
     body = sample.response_text.strip()
     fraction = tests_passed(sample)  # also records code_tests_passed / code_tests_ran in sample.metrics
-    starts_right = 0.1 if body[:1].isdigit() or body[:1] == "x" else 0.0
-    return starts_right + 0.2 * sample.metrics["code_tests_ran"] + 0.7 * fraction
+    starts_right = 0.05 if body[:1].isdigit() or body[:1] == "x" else 0.0
+    return starts_right + 0.15 * sample.metrics["code_tests_ran"] + 0.8 * fraction
