@@ -41,7 +41,7 @@ def reverse_kl_per_token(student: Sequence[float], teacher: Sequence[float], mas
 
 def distill_advantages(batch: Any, samples: Sequence[Sample], *, kl_coef: float, task_weight: float) -> Any:
     """``batch`` (a :class:`raygym.trainer.batch.TrainBatch` with task advantages) with the distillation
-    advantages above (also as its returns)."""
+    advantages above."""
     import torch
 
     student = batch.old_log_probs if batch.old_log_probs is not None else batch.rollout_log_probs
@@ -55,7 +55,7 @@ def distill_advantages(batch: Any, samples: Sequence[Sample], *, kl_coef: float,
         teacher = torch.tensor(sample.teacher_log_probs, dtype=torch.float32)
         task = batch.advantages[i].float() if batch.advantages is not None else torch.zeros_like(mask)
         advantages.append((task_weight * task + kl_coef * (teacher - student[i].float())) * mask)
-    return replace(batch, advantages=advantages, returns=[a.clone() for a in advantages])
+    return replace(batch, advantages=advantages)  # returns (the critic's targets, PPO) stay the task's
 
 
 class TeacherActor:
