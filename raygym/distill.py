@@ -68,7 +68,8 @@ class TeacherActor:
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                    ("cpu" if device == "auto" else device))
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=dtype).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=dtype)
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.max_tokens_per_batch = max_tokens_per_batch
 
     def ready(self) -> bool:

@@ -119,7 +119,8 @@ def word_problem(rng: random.Random) -> dict[str, Any]:
 def write_dataset(out_dir: str | Path, train: int = 512, held_out: int = 32, seed: int = 0) -> tuple[Path, Path]:
     """``train.jsonl`` and a disjoint ``eval.jsonl`` of word problems under ``out_dir``."""
     rng = random.Random(seed)
-    rows, seen = [], set()
+    rows: list[dict[str, Any]] = []
+    seen: set[str] = set()
     while len(rows) < train + held_out:
         row = word_problem(rng)
         if row["prompt"] not in seen:

@@ -58,13 +58,13 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
     for name in sorted({k for s in samples for k in s.metrics}):
         values = [s.metrics[name] for s in samples if name in s.metrics]
         out[f"rollout/{name}"] = sum(values) / len(values)
-    scored = [s for s in samples if s.teacher_log_probs is not None and s.rollout_log_probs]
+    scored = [(s, s.teacher_log_probs) for s in samples if s.teacher_log_probs is not None and s.rollout_log_probs]
     if scored:
         from raygym.distill import reverse_kl_per_token
 
         total = tokens = 0.0
-        for s in scored:
-            kl = reverse_kl_per_token(s.rollout_log_probs, s.teacher_log_probs, s.effective_loss_mask())
+        for s, teacher in scored:
+            kl = reverse_kl_per_token(s.rollout_log_probs, teacher, s.effective_loss_mask())
             total += sum(kl)
             tokens += sum(s.effective_loss_mask())
         out["rollout/distill_reverse_kl"] = total / max(tokens, 1.0)

@@ -58,7 +58,7 @@ class SandboxPool:
 
             cls = ray.remote(num_cpus=self.num_cpus)(SandboxActor)
             actors = [cls.remote(self.limits, self.backend) for _ in range(self.size)]
-            ray.get([a.info.remote() for a in actors])  # surfaces SandboxUnavailable now
+            ray.get([a.info.remote() for a in actors])  # type: ignore[attr-defined]  # surfaces SandboxUnavailable now
             self._actors = actors
             for actor in actors:
                 self._free.put(actor)
