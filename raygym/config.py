@@ -778,7 +778,14 @@ class Recipe(_Section):
             )
 
     def _check_judge_and_teacher(self) -> None:
-        """The judge's and the teacher's fields (raygym/judge.py, raygym/distill.py)."""
+        """The environment's, the judge's and the teacher's fields (raygym/envs, judge.py, distill.py)."""
+        if self.rollout_env is not None and self.custom_generate_function is not None:
+            raise ConfigError(
+                "rollout_env and custom_generate_function are both set: an environment run generates its "
+                "episodes itself; keep one of them"
+            )
+        if self.rm_type == "env" and self.rollout_env is None:
+            raise ConfigError("rm_type='env' rewards environment episodes: set rollout_env too, or another rm_type")
         if self.rm_type == "judge" and not self.judge_hf_checkpoint:
             raise ConfigError("rm_type='judge' needs judge_hf_checkpoint: set --judge-hf-checkpoint to the judge model")
         if not self.judge_score_max > self.judge_score_min:
