@@ -1,7 +1,8 @@
 """Write the code example's tasks: infer a one-line function from examples, judged by hidden tests.
 
 Each prompt shows f on 0, 1 and 2 and ends with ``f=lambda x:``; the model writes the body. The label
-holds the tests (the three shown and two hidden inputs). The tiny model's alphabet has no brackets or
+holds the tests: for the three shown and two hidden inputs, ``|f(x) - expected|`` within 0, 1, 3 and 6
+(graded, so the fraction passed is also a measure of how close the function is). The tiny model's alphabet has no brackets or
 underscores, so the functions are ``x+k`` (the default set), ``x*k`` and ``k``.
 
     python -m examples.code_sandbox.make_data --out runs/examples/code-data
@@ -14,11 +15,14 @@ import json
 import random
 from pathlib import Path
 
+TOLERANCES = (0, 1, 3, 6)
+
 
 def task(kind: str, k: int) -> dict:
     fn = {"add": lambda x: x + k, "mul": lambda x: x * k, "const": lambda x: k}[kind]
     shown = " ".join(f"{x}={fn(x)}" for x in (0, 1, 2))
-    tests = [f"assert f({x}) == {fn(x)}" for x in (0, 1, 2, 5, 9)]
+    # Graded: per input, |f(x) - expected| within 0, 1, 3 and 6, so a near miss earns part of the reward.
+    tests = [f"assert abs(f({x}) - {fn(x)}) <= {tol}" for x in (0, 1, 2, 5, 9) for tol in TOLERANCES]
     return {"prompt": f"f {shown}\nf=lambda x:", "label": tests, "metadata": {"kind": kind, "k": k}}
 
 
