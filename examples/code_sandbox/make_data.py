@@ -1,7 +1,7 @@
 """Write the code example's tasks: infer a one-line function from examples, judged by hidden tests.
 
 Each prompt shows f on 0, 1 and 2 and ends with ``f=lambda x:``; the model writes the body. The label
-holds the tests: for the three shown and two hidden inputs, ``|f(x) - expected|`` within 0, 1, 3 and 6
+holds the tests: for the three shown inputs and two hidden, larger ones (20, 50: no constant is close to all), ``|f(x) - expected|`` within 0, 1, 3 and 6
 (graded, so the fraction passed is also a measure of how close the function is). The tiny model's alphabet has no brackets or
 underscores, so the functions are ``x+k`` (the default set), ``x*k`` and ``k``.
 
@@ -22,7 +22,7 @@ def task(kind: str, k: int) -> dict:
     fn = {"add": lambda x: x + k, "mul": lambda x: x * k, "const": lambda x: k}[kind]
     shown = " ".join(f"{x}={fn(x)}" for x in (0, 1, 2))
     # Graded: per input, |f(x) - expected| within 0, 1, 3 and 6, so a near miss earns part of the reward.
-    tests = [f"assert abs(f({x}) - {fn(x)}) <= {tol}" for x in (0, 1, 2, 5, 9) for tol in TOLERANCES]
+    tests = [f"assert abs(f({x}) - {fn(x)}) <= {tol}" for x in (0, 1, 2, 20, 50) for tol in TOLERANCES]
     return {"prompt": f"f {shown}\nf=lambda x:", "label": tests, "metadata": {"kind": kind, "k": k}}
 
 
