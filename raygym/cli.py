@@ -259,6 +259,11 @@ app.add_command(serve_command)
 app.add_command(eval_command)
 app.add_command(report_command)
 
+# ``raygym data prepare`` (raygym/cli_data.py)
+from raygym.cli_data import data as _data_group  # noqa: E402
+
+app.add_command(_data_group)
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``raygym`` console script; returns the exit code.

@@ -297,9 +297,12 @@ _RECIPE_POSITIVE = (
     "recompute_num_layers", "max_tokens_per_gpu", "eval_interval", "n_samples_per_eval_prompt",
     "eval_max_response_len", "save_interval", "update_weight_buffer_size", "sglang_dp_size",
     "sglang_ep_size", "sglang_max_running_requests",
+    "rollout_env_max_turns", "rollout_env_max_context_len", "judge_num_engines", "judge_num_gpus_per_engine",
+    "judge_max_response_len", "judge_batch_size", "distill_num_gpus",
 )  # fmt: skip
 _RECIPE_NON_NEGATIVE = (
     "start_rollout_id", "rollout_health_check_first_wait", "lr_warmup_iters", "update_weight_full_interval", "seed",
+    "judge_cache_size",
 )  # fmt: skip
 
 CUSTOM_FUNCTION_FIELDS = (
@@ -311,6 +314,7 @@ CUSTOM_FUNCTION_FIELDS = (
     "rollout_function",
     "custom_megatron_before_log_prob_hook",
     "custom_megatron_before_train_step_hook",
+    "rollout_env",
 )
 
 
@@ -556,6 +560,40 @@ class Recipe(_Section):
         None, "Hook run in the trainer before each step."
     )
 
+    # ── environments, LLM judge, on-policy distillation (raygym/envs, raygym/judge.py, raygym/distill.py) ──
+    rollout_env: CustomFunction = _f(
+        None, "Multi-turn environment: a raygym.envs.Environment class or factory ('pkg.module:Class'); each "
+        "sample plays one episode; rm_type='env' (or unset) rewards it with the episode's reward.",
+    )
+    rollout_env_max_turns: int = _f(4, "Model turns per episode of rollout_env.")
+    rollout_env_max_context_len: int | None = _f(
+        None, "Prompt + response tokens an episode may fill (model and environment tokens); None = no limit."
+    )
+    judge_hf_checkpoint: str | None = _f(
+        None, "LLM judge model: starts a judge engine group with its own GPUs; rm_type='judge' scores with it."
+    )
+    judge_num_engines: int = _f(1, "Judge engines (each on judge_num_gpus_per_engine GPUs of one node).")
+    judge_num_gpus_per_engine: int = _f(1, "GPUs (and tensor-parallel size) per judge engine.")
+    judge_prompt_template: str = _f(
+        "Rate the response from 0 to 10.\nTask: {prompt}\nResponse: {response}\nScore:",
+        "Judge prompt; {prompt}, {response} and {label} are filled in.",
+    )
+    judge_max_response_len: int = _f(16, "Tokens the judge may write; its score is the first number in them.")
+    judge_score_min: float = _f(0.0, "Lowest score the template asks for (maps to reward 0).")
+    judge_score_max: float = _f(10.0, "Highest score the template asks for (maps to reward 1).")
+    judge_failure_score: float = _f(0.0, "Reward when the judge's answer holds no score in range.")
+    judge_batch_size: int = _f(32, "Judge prompts per /generate request.")
+    judge_cache_size: int = _f(4096, "Judged (prompt, response, label) triples remembered; 0 = no cache.")
+    distill_teacher_checkpoint: str | None = _f(
+        None, "On-policy distillation: the teacher model (its own GPUs) scores every sampled token; the "
+        "per-token reverse KL becomes the advantage.",
+    )
+    distill_num_gpus: int = _f(1, "GPUs for the teacher (one scoring actor per GPU).")
+    distill_kl_coef: float = _f(1.0, "Weight of the per-token reverse-KL advantage log p_teacher - log p_student.")
+    distill_task_weight: float = _f(
+        1.0, "Weight of the task reward's advantage next to the distillation term; 0 = pure distillation."
+    )
+
     # ── SGLang ──
     sglang_mem_fraction_static: float = _f(
         0.75, "Fraction of GPU memory sglang reserves for weights + KV cache."
@@ -627,6 +665,7 @@ class Recipe(_Section):
         self._check_parallelism()
         self._check_modes()
         self._check_batches()
+        self._check_judge_and_teacher()
         for field in CUSTOM_FUNCTION_FIELDS:
             value = getattr(self, field)
             if value is not None and not isinstance(value, str) and not callable(value):
@@ -782,6 +821,49 @@ class Recipe(_Section):
                 f"over_sampling_batch_size={self.over_sampling_batch_size} is smaller than rollout_batch_size="
                 f"{self.rollout_batch_size}; set it to at least {self.rollout_batch_size} or leave it unset"
             )
+
+    def _check_judge_and_teacher(self) -> None:
+        """The environment's, the judge's and the teacher's fields (raygym/envs, judge.py, distill.py)."""
+        if self.rollout_env is not None and self.custom_generate_function is not None:
+            raise ConfigError(
+                "rollout_env and custom_generate_function are both set: an environment run generates its "
+                "episodes itself; keep one of them"
+            )
+        if self.rm_type == "env" and self.rollout_env is None:
+            raise ConfigError("rm_type='env' rewards environment episodes: set rollout_env too, or another rm_type")
+        if self.rm_type == "judge" and not self.judge_hf_checkpoint:
+            raise ConfigError("rm_type='judge' needs judge_hf_checkpoint: set --judge-hf-checkpoint to the judge model")
+        if not self.judge_score_max > self.judge_score_min:
+            raise ConfigError(
+                f"judge_score_min={self.judge_score_min} must be below judge_score_max={self.judge_score_max}; "
+                "set them to the score range judge_prompt_template asks for"
+            )
+        if self.judge_hf_checkpoint:
+            if self.actor_num_gpus_per_node % self.judge_num_gpus_per_engine:
+                raise ConfigError(
+                    f"judge_num_gpus_per_engine={self.judge_num_gpus_per_engine}: a judge engine must fit in one "
+                    f"node of actor_num_gpus_per_node={self.actor_num_gpus_per_node} GPUs; pick a divisor of it"
+                )
+            import string as _string
+
+            try:
+                names = {n for _, n, _, _ in _string.Formatter().parse(self.judge_prompt_template) if n is not None}
+            except ValueError as exc:
+                raise ConfigError(
+                    f"judge_prompt_template={self.judge_prompt_template!r}: not a format string ({exc})"
+                ) from None
+            if "response" not in names or not names <= {"prompt", "response", "label"}:
+                raise ConfigError(
+                    f"judge_prompt_template={self.judge_prompt_template!r}: use {{response}} (and optionally "
+                    "{prompt}, {label}) and write literal braces as {{ }}"
+                )
+        _check_range("distill_kl_coef", self.distill_kl_coef, 0.0, math.inf)
+        _check_range("distill_task_weight", self.distill_task_weight, 0.0, math.inf)
+
+    def auxiliary_gpus(self) -> int:
+        """GPUs of the judge engines and the distillation teacher, outside ``gpu_allocation()``."""
+        judge = self.judge_num_engines * self.judge_num_gpus_per_engine if self.judge_hf_checkpoint else 0
+        return judge + (self.distill_num_gpus if self.distill_teacher_checkpoint else 0)
 
     # ── derived quantities ──
 

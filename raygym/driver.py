@@ -255,6 +255,11 @@ class Loop:
         batch = batch.with_advantages(
             recipe.advantage_estimator, kl_coef=recipe.kl_coef, gamma=recipe.gamma, lambd=recipe.lambd
         )
+        if recipe.distill_teacher_checkpoint:  # on-policy distillation (raygym/distill.py)
+            from raygym.distill import distill_advantages
+
+            batch = distill_advantages(batch, samples, kl_coef=recipe.distill_kl_coef,
+                                       task_weight=recipe.distill_task_weight)
         with timer.phase("train"):
             ref = ray.put(PackedBatch.pack(batch))
             policy = [h.train_step.remote(ref, step) for h in policy_ranks]
@@ -501,7 +506,7 @@ def train(cfg: Any) -> TrainResult:
     (run_dir / "config.json").write_text(json.dumps(cfg.to_json_dict(), indent=2, default=str) + "\n")
 
     auth = ExitStack()
-    owns_ray = connect_ray(recipe.gpu_allocation().total_gpus, auth)
+    owns_ray = connect_ray(recipe.gpu_allocation().total_gpus + recipe.auxiliary_gpus(), auth)
     graph = None
     loop = None
     start = final = -1

@@ -74,6 +74,7 @@ class RunGraph:
     trainer_info: list[dict[str, Any]] = field(default_factory=list)  # what each trainer rank's init() returned
     critics: Any = None  # ActorGroup of TrainerActor(role="critic") when use_critic, else None
     engine_dtype: str | None = None  # the checkpoint's floating dtype (what SGLang serves)
+    aux: Any = None  # raygym.aux_groups.AuxGroups: the judge engines and the distillation teacher
 
     @property
     def single_pass_log_probs(self) -> bool:
@@ -127,6 +128,8 @@ class RunGraph:
                 step()
             except Exception as exc:  # keep tearing down the rest
                 logger.debug("shutdown of %s failed: %s", what, exc)
+        if self.aux is not None:
+            self.aux.shutdown()
         for group in (self.engines, self.critics, self.trainers):
             if group is not None:
                 group.kill()
@@ -144,6 +147,7 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
     import ray
 
     from raygym.actor_group import call_all, start_engine_group, start_trainer_group
+    from raygym.aux_groups import aux_manager_kwargs, start_aux_groups
     from raygym.placement import allocate_for_recipe
     from raygym.rollout.auth import ENGINE_API_KEY_ENV, new_engine_api_key
     from raygym.rollout.engine import EngineActor
@@ -189,9 +193,11 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
         graph.trainer_info = list(ray.get(init_refs))
         ray.get(critic_refs)
         graph.engine_urls = ray.get(url_refs)
+        graph.aux = start_aux_groups(recipe, run_dir, engine_kind, say)
         manager_cls = ray.remote(RolloutManager)
         graph.manager = manager_cls.options(num_cpus=0, max_concurrency=64).remote(
-            cfg, graph.engines.handles, model_path, data_cache_dir=str(run_dir / "cache")
+            cfg, graph.engines.handles, model_path, data_cache_dir=str(run_dir / "cache"),
+            **aux_manager_kwargs(recipe, graph.aux, run_dir),
         )
         ray.get(graph.manager.use_engine_api_key.remote(api_key))
         graph.make_weight_sync(list(range(len(graph.engines))))

@@ -41,6 +41,8 @@ class Sample:
     status: str = "pending"  # "pending" | "completed" | "truncated" | "aborted" | "failed"
     engine: str = ""  # which engine generated it (for traces and fault reports)
     trace: dict[str, Any] | None = None  # sampled request trace when capture_trace is on
+    metrics: dict[str, float] = field(default_factory=dict)  # per-sample numbers, logged as rollout/<name> means
+    teacher_log_probs: list[float] | None = None  # distillation: the teacher's log-prob of each response token
 
     @property
     def response_length(self) -> int:

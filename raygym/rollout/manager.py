@@ -62,6 +62,7 @@ from raygym.rewards import (
     reward_component_metrics,
     reward_model_from_config,
 )
+from raygym.rollout import tasks
 from raygym.rollout.filters import GroupFilter, load_group_filter
 from raygym.rollout.health import ClientFactory, EnginePool, Resync
 from raygym.types import Sample
@@ -97,6 +98,9 @@ class RolloutSettings:
     trace_sample_limit: int = 16
     custom_generate_function: Any = None
     rollout_function: Any = None
+    rollout_env: Any = None  # raygym/envs: one episode per sample
+    rollout_env_max_turns: int = 4
+    rollout_env_max_context_len: int | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> RolloutSettings:
@@ -169,6 +173,8 @@ class RolloutManager:
         request_timeout: float | None = None,
         max_sampling_rounds: int = 8,
         pass_threshold: float = 1.0,
+        judge: Any = None,
+        teacher: Any = None,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -180,9 +186,14 @@ class RolloutManager:
             options = {k: v for k, v in dataset_options(cfg).items() if k != "shuffle"}
             eval_datasets = load_eval_datasets(eval_dataset_urls(cfg), self.tokenizer, data_cache_dir, **options)
         self.eval_datasets = eval_datasets
-        self.rewards = reward_model or reward_model_from_config(cfg)
+        # Environments, LLM judge, distillation (raygym/rollout/tasks.py): judge is a raygym.judge.JudgeClient,
+        # teacher a raygym.distill.TeacherScorer.
+        self.judge, self.teacher = judge, teacher
+        self.rewards = reward_model or tasks.task_reward_model(cfg, judge) or reward_model_from_config(cfg)
         self.group_filter: GroupFilter | None = load_group_filter(self.settings.dynamic_sampling_filter_path)
-        self._custom_generate = load_callable(self.settings.custom_generate_function, "custom_generate_function")
+        self._custom_generate = tasks.episode_runner(
+            self.settings, self.tokenizer,
+            load_callable(self.settings.custom_generate_function, "custom_generate_function"))
         self._rollout_function = load_callable(self.settings.rollout_function, "rollout_function")
         s = self.settings
         self.pool = EnginePool(
@@ -217,6 +228,8 @@ class RolloutManager:
     async def close(self) -> None:
         await self.pool.close()
         self.rewards.close()
+        if self.judge is not None:
+            await self.judge.close()
 
     def use_engine_api_key(self, key: str) -> None:
         """The run's engine API key, sent with every request (call before the first one)."""
@@ -436,6 +449,8 @@ class RolloutManager:
                         s.group_index = g
                     samples.extend(group)
             self.rewards.post_process(samples)
+            if self.teacher is not None:
+                await self.teacher.score(samples)
         finally:
             self.pool.monitor.deactivate()
         elapsed = time.monotonic() - start
@@ -521,6 +536,9 @@ class RolloutManager:
                 "rollout/dynamic_aborted_groups": float(stats["aborted"] + stats["surplus"]),
                 "rollout/dynamic_rounds": float(stats["rounds"]),
             })
+        metrics.update(tasks.sample_metrics(samples))
+        if self.judge is not None:
+            metrics.update(self.judge.metrics())
         for i, count in enumerate(self.pool.routed_rows):  # samples requested (a group's batch counts each)
             metrics[f"rollout/engine{i}_requests"] = float(count)
         return metrics

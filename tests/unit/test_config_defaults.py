@@ -153,6 +153,24 @@ RAYGYM_DEFAULTS = {
     "placement_timeout": 600.0,
     "rollout_engine_python": "",
     "update_weight_probe_tolerance": 0.1,
+    # environments, LLM judge, on-policy distillation
+    "rollout_env": None,
+    "rollout_env_max_turns": 4,
+    "rollout_env_max_context_len": None,
+    "judge_hf_checkpoint": None,
+    "judge_num_engines": 1,
+    "judge_num_gpus_per_engine": 1,
+    "judge_prompt_template": "Rate the response from 0 to 10.\nTask: {prompt}\nResponse: {response}\nScore:",
+    "judge_max_response_len": 16,
+    "judge_score_min": 0.0,
+    "judge_score_max": 10.0,
+    "judge_failure_score": 0.0,
+    "judge_batch_size": 32,
+    "judge_cache_size": 4096,
+    "distill_teacher_checkpoint": None,
+    "distill_num_gpus": 1,
+    "distill_kl_coef": 1.0,
+    "distill_task_weight": 1.0,
 }
 
 SPEC_PAGE = Path(__file__).resolve().parents[3] / "shared" / "spec" / "Qwen3_4B_Recipe.txt"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -254,3 +255,26 @@ def test_replace_validates():
     assert Recipe().replace(num_rollout=3).num_rollout == 3
     with pytest.raises(ConfigError):
         Recipe().replace(num_rollout=0)
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ({"rollout_env": "raygym.envs.calculator:CalculatorEnv", "custom_generate_function": "json:dumps"},
+     "both set"),
+    ({"rm_type": "env"}, "set rollout_env"),
+    ({"rm_type": "judge"}, "judge_hf_checkpoint"),
+    ({"judge_hf_checkpoint": "m", "judge_score_min": 5.0, "judge_score_max": 5.0}, "below judge_score_max"),
+    ({"judge_hf_checkpoint": "m", "judge_num_gpus_per_engine": 3}, "fit in one node"),
+    ({"judge_hf_checkpoint": "m", "judge_prompt_template": "no response here {prompt}"}, "{response}"),
+    ({"judge_hf_checkpoint": "m", "judge_prompt_template": "{response} {oops}"}, "{response}"),
+    ({"distill_kl_coef": -1.0}, "distill_kl_coef"),
+    ({"rollout_env_max_turns": 0}, "rollout_env_max_turns"),
+])
+def test_environment_judge_and_distillation_fields(fields, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        Recipe(**fields)
+
+
+def test_auxiliary_gpus_count_judge_and_teacher():
+    assert Recipe().auxiliary_gpus() == 0
+    assert Recipe(judge_hf_checkpoint="m", judge_num_engines=2, judge_num_gpus_per_engine=2,
+                  distill_teacher_checkpoint="t", distill_num_gpus=3).auxiliary_gpus() == 7

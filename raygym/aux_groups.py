@@ -1,0 +1,126 @@
+"""The run's auxiliary model groups, each on GPUs of its own: the LLM judge's engines and the
+distillation teacher's scoring actors.
+
+Each group gets its own placement group (``judge_num_engines x judge_num_gpus_per_engine`` or
+``distill_num_gpus`` bundles of one GPU, probed and sorted like the main placement, an engine's GPUs on
+one node), so on a cluster the judge and the teacher land beside the trainers and rollout engines
+without sharing their GPUs; on CPU they get logical GPUs like everything else.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raygym.allocation import compute_allocation
+from raygym.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def _allocation(total: int, per_engine: int, gpus_per_node: int, what: str) -> Any:
+    if total <= gpus_per_node:
+        nodes, per_node = 1, total
+    elif total % gpus_per_node == 0:
+        nodes, per_node = total // gpus_per_node, gpus_per_node
+    else:
+        raise ConfigError(f"{what}: {total} GPUs are not whole nodes of actor_num_gpus_per_node={gpus_per_node}; "
+                          f"use at most {gpus_per_node} or a multiple of it")
+    return compute_allocation(actor_num_nodes=nodes, actor_num_gpus_per_node=per_node, colocate=True,
+                              rollout_num_gpus=total, rollout_num_gpus_per_engine=per_engine)
+
+
+def _place(total: int, per_engine: int, recipe: Any, what: str) -> Any:
+    from raygym.placement import allocate
+
+    alloc = _allocation(total, per_engine, recipe.actor_num_gpus_per_node, what)
+    # Nothing else runs in these bundles: each engine/actor takes the whole GPU share it is given.
+    return allocate(alloc, trainer_share=0.5, engine_share=0.5, timeout=recipe.placement_timeout,
+                    name=what).ensure_ready()
+
+
+@dataclass
+class AuxGroups:
+    """Handles of the judge and teacher groups (None when the recipe has none); ``shutdown()`` ends them."""
+
+    judge_engines: Any = None  # raygym.actor_group.ActorGroup of EngineActor
+    teacher_actors: Any = None  # ActorGroup of raygym.distill.TeacherActor
+    placements: list[Any] = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        import ray
+
+        if self.judge_engines is not None:
+            try:
+                ray.get([h.shutdown.remote() for h in self.judge_engines.handles], timeout=60)
+            except Exception as exc:  # keep tearing down
+                logger.debug("judge engine shutdown failed: %s", exc)
+        for group in (self.judge_engines, self.teacher_actors):
+            if group is not None:
+                group.kill()
+        for placement in self.placements:
+            placement.release()
+        self.judge_engines = self.teacher_actors = None
+        self.placements = []
+
+
+def start_aux_groups(recipe: Any, run_dir: Path, engine_kind: str, say: Any = print) -> AuxGroups:
+    """Start the judge engines and the teacher actors the recipe asks for; on failure, end what started."""
+    import ray
+
+    from raygym.actor_group import ActorGroup, merge_user_env, start_engine_group
+    from raygym.builtin import resolve_model_path
+
+    groups = AuxGroups()
+    try:
+        if recipe.judge_hf_checkpoint:
+            from raygym.rollout.engine import EngineActor
+
+            placement = _place(recipe.judge_num_engines * recipe.judge_num_gpus_per_engine,
+                               recipe.judge_num_gpus_per_engine, recipe, "raygym-judge")
+            groups.placements.append(placement)
+            judge_path = resolve_model_path(recipe.judge_hf_checkpoint, run_dir / "cache")
+            settings = {"rollout_num_gpus_per_engine": recipe.judge_num_gpus_per_engine, "seed": recipe.seed,
+                        "sglang_max_running_requests": max(64, recipe.judge_batch_size)}
+            groups.judge_engines = start_engine_group(
+                placement, EngineActor, args=(settings,),
+                kwargs={"model_path": judge_path, "backend": engine_kind, "log_dir": str(run_dir / "logs" / "judge")},
+                environment=recipe.environment)
+            say(f"starting {len(groups.judge_engines)} judge engine(s) ({recipe.judge_hf_checkpoint}) ...")
+            ray.get([h.start.remote() for h in groups.judge_engines.handles])
+        if recipe.distill_teacher_checkpoint:
+            from raygym.distill import TeacherActor
+
+            placement = _place(recipe.distill_num_gpus, 1, recipe, "raygym-teacher")
+            groups.placements.append(placement)
+            teacher_path = resolve_model_path(recipe.distill_teacher_checkpoint, run_dir / "cache")
+            bundles = [engine[0] for engine in placement.engine_bundles]
+            groups.teacher_actors = ActorGroup.start(
+                TeacherActor, bundles, args=(teacher_path,), user_env=merge_user_env(recipe.environment),
+                torchrun_env=False)
+            say(f"starting {len(groups.teacher_actors)} teacher actor(s) ({recipe.distill_teacher_checkpoint}) ...")
+            ray.get([h.ready.remote() for h in groups.teacher_actors.handles])
+        return groups
+    except BaseException:
+        groups.shutdown()
+        raise
+
+
+def aux_manager_kwargs(recipe: Any, groups: AuxGroups, run_dir: Path) -> dict[str, Any]:
+    """The rollout manager's ``judge`` / ``teacher`` arguments for the started groups."""
+    out: dict[str, Any] = {}
+    if groups.judge_engines is not None:
+        from transformers import AutoTokenizer
+
+        from raygym.builtin import resolve_model_path
+        from raygym.judge import JudgeClient, JudgeSettings
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(recipe.judge_hf_checkpoint, run_dir / "cache"))
+        out["judge"] = JudgeClient(JudgeSettings.from_recipe(recipe), tokenizer, engines=groups.judge_engines.handles)
+    if groups.teacher_actors is not None:
+        from raygym.distill import TeacherScorer
+
+        out["teacher"] = TeacherScorer(groups.teacher_actors.handles, temperature=recipe.rollout_temperature)
+    return out
