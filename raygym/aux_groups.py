@@ -72,6 +72,7 @@ def start_aux_groups(recipe: Any, run_dir: Path, engine_kind: str, say: Any = pr
 
     from raygym.actor_group import ActorGroup, merge_user_env, start_engine_group
     from raygym.builtin import resolve_model_path
+    from raygym.rollout.auth import engine_api_key
 
     groups = AuxGroups()
     try:
@@ -82,13 +83,16 @@ def start_aux_groups(recipe: Any, run_dir: Path, engine_kind: str, say: Any = pr
                                recipe.judge_num_gpus_per_engine, recipe, "raygym-judge")
             groups.placements.append(placement)
             judge_path = resolve_model_path(recipe.judge_hf_checkpoint, run_dir / "cache")
-            settings = {"rollout_num_gpus_per_engine": recipe.judge_num_gpus_per_engine, "seed": recipe.seed,
-                        "sglang_max_running_requests": max(64, recipe.judge_batch_size)}
+            settings = recipe.replace(rollout_num_gpus_per_engine=recipe.judge_num_gpus_per_engine,
+                                      sglang_max_running_requests=max(64, recipe.judge_batch_size))
             groups.judge_engines = start_engine_group(
                 placement, EngineActor, args=(settings,),
                 kwargs={"model_path": judge_path, "backend": engine_kind, "log_dir": str(run_dir / "logs" / "judge")},
                 environment=recipe.environment)
             say(f"starting {len(groups.judge_engines)} judge engine(s) ({recipe.judge_hf_checkpoint}) ...")
+            key = engine_api_key()
+            if key:
+                ray.get([h.use_engine_api_key.remote(key) for h in groups.judge_engines.handles])
             ray.get([h.start.remote() for h in groups.judge_engines.handles])
         if recipe.distill_teacher_checkpoint:
             from raygym.distill import TeacherActor
