@@ -9,10 +9,8 @@ rows are dropped); requests that arrive meanwhile are prefilled and join the run
 between decode steps (continuous batching). Abort and pause are checked
 between decode steps, so they take effect while a batch is running.
 
-Log-probabilities: for every sampled token we report ``log_softmax(logits / temperature)`` at
-that token (plain ``log_softmax(logits)`` when temperature is 0). Top-p / top-k filtering only
-shapes the sampling distribution, it is NOT applied to the reported log-probs. This is what the
-trainer reproduces: it divides its own logits by ``rollout_temperature`` and takes log_softmax.
+Sampling and the log-probs it reports are :mod:`raygym.rollout.sampling`'s; the KV cache is
+:mod:`raygym.rollout.kv_cache`'s.
 
 >>> from raygym.builtin import build_tiny_model
 >>> model, tok = build_tiny_model(0)
@@ -31,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import inspect
 import random
 import threading
@@ -42,121 +39,32 @@ from typing import Any
 
 import torch
 
+from raygym.rollout.kv_cache import _left_pad, _mergeable, new_kv_cache
 from raygym.rollout.protocol import PAUSE_MODES
+from raygym.rollout.sampling import SamplingParams, sample_next_tokens
+
+__all__ = ["EngineUnavailable", "GenerationEngine", "GenerationRequest", "SamplingParams", "new_kv_cache"]
+
+
+def release_host_memory() -> None:
+    """Collect garbage and give freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere),
+    so the memory of a large aborted workload does not stay with the server."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class EngineUnavailable(RuntimeError):
     """The engine cannot take requests now (memory released, or stopped)."""
 
 
-@dataclass
-class SamplingParams:
-    """Per-request sampling settings (SGLang's ``sampling_params`` subset).
-
-    ``temperature`` 0 means greedy; ``top_k`` -1 (or 0) means no top-k; ``max_new_tokens`` counts
-    generated tokens. ``stop`` strings need a tokenizer on the engine.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 128
-    stop_token_ids: list[int] = field(default_factory=list)
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    n: int = 1
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True  # accepted (slime always sends false); decoding ignores it
-    no_stop_trim: bool = False
-    sampling_seed: int | None = None
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any] | None) -> SamplingParams:
-        """Validate a JSON ``sampling_params`` dict; raises ``ValueError`` naming the bad field.
-
-        Unknown keys that SGLang accepts but raygym ignores (e.g. ``min_p``,
-        ``frequency_penalty`` at their neutral values) are tolerated; anything else is an error.
-        """
-        raw = dict(raw or {})
-        p = cls()
-        for key, value in raw.items():
-            if value is None:
-                continue
-            if key in ("temperature", "top_p"):
-                setattr(p, key, _number(key, value))
-            elif key in ("top_k", "max_new_tokens", "n", "sampling_seed"):
-                setattr(p, key, _integer(key, value))
-            elif key in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"):
-                if not isinstance(value, bool):
-                    raise ValueError(f"sampling_params.{key}={value!r}: must be true or false")
-                setattr(p, key, value)
-            elif key == "stop_token_ids":
-                p.stop_token_ids = [_integer(key, v) for v in _as_list(key, value)]
-            elif key == "stop":
-                items = [value] if isinstance(value, str) else _as_list(key, value)
-                if not all(isinstance(s, str) and s for s in items):
-                    raise ValueError(
-                        f"sampling_params.stop={value!r}: must be a non-empty string or list of them"
-                    )
-                p.stop = list(items)
-            elif key in _IGNORED_KEYS:
-                continue
-            elif key in _NEUTRAL_KEYS:
-                if value != _NEUTRAL_KEYS[key]:
-                    raise ValueError(
-                        f"sampling_params.{key}={value!r}: not supported by raygym's server; "
-                        f"leave it at {_NEUTRAL_KEYS[key]!r} or use the sglang backend"
-                    )
-            else:
-                raise ValueError(f"sampling_params.{key}: unknown field; supported: {sorted(_KNOWN_KEYS)}")
-        p.validate()
-        return p
-
-    def validate(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"sampling_params.temperature={self.temperature}: must be >= 0 (0 = greedy)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"sampling_params.top_p={self.top_p}: must be in (0, 1]")
-        if self.top_k == 0:
-            self.top_k = -1
-        if self.top_k < -1:
-            raise ValueError(f"sampling_params.top_k={self.top_k}: must be -1 (off) or >= 1")
-        if self.max_new_tokens < 0:
-            raise ValueError(f"sampling_params.max_new_tokens={self.max_new_tokens}: must be >= 0")
-        if self.n < 1:
-            raise ValueError(f"sampling_params.n={self.n}: must be >= 1")
-
-
-_NEUTRAL_KEYS: dict[str, Any] = {
-    "min_p": 0.0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_new_tokens": 0,
-    "logit_bias": {},
-    "stop_regex": [],
-}
-# Accepted at any value: they only shape how output is streamed, never what is generated.
-_IGNORED_KEYS = ("stream_interval",)
-_KNOWN_KEYS = set(SamplingParams.__dataclass_fields__) | set(_NEUTRAL_KEYS) | set(_IGNORED_KEYS)
-
-
-def _number(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"sampling_params.{key}={value!r}: must be a number")
-    return float(value)
-
-
-def _integer(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"sampling_params.{key}={value!r}: must be an integer")
-    return value
-
-
-def _as_list(key: str, value: Any) -> list[Any]:
-    if not isinstance(value, list):
-        raise ValueError(f"sampling_params.{key}={value!r}: must be a list")
-    return value
+class EngineBusy(EngineUnavailable):
+    """The pending queue is full (``max_queued_requests``): try again later (HTTP 503)."""
 
 
 @dataclass(eq=False)
@@ -177,6 +85,7 @@ class GenerationRequest:
     created: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _failures: int = field(default=0, repr=False)  # decode steps this request was part of that failed
     _abort_message: str | None = field(default=None, repr=False)
     _generator: torch.Generator | None = field(default=None, repr=False)
 
@@ -229,8 +138,10 @@ class GenerationEngine:
         seed: int = 0,
         batch_wait_s: float = 0.003,
         pad_token_id: int = 0,
+        max_queued_requests: int = 4096,
     ) -> None:
         self.model = model.eval()
+        self.max_queued_requests = max_queued_requests
         self.tokenizer = tokenizer
         self.eos_token_ids = {int(t) for t in eos_token_ids}
         self.max_running_requests = max_running_requests
@@ -251,6 +162,7 @@ class GenerationEngine:
         self._holds = 0
         self._released = False
         self._stopping = False
+        self._trim_due = False  # host memory to hand back once idle (after an abort of everything)
         self._thread: threading.Thread | None = None
 
     # ----- lifecycle -----
@@ -273,7 +185,12 @@ class GenerationEngine:
 
     # ----- requests -----
     def submit(self, request: GenerationRequest) -> None:
-        """Queue a request (thread-safe). Raises :class:`EngineUnavailable` while memory is released."""
+        """Queue a request (thread-safe). Raises :class:`EngineUnavailable` while memory is released and
+        :class:`EngineBusy` when the queue holds ``max_queued_requests`` already."""
+        self.submit_all([request])
+
+    def submit_all(self, requests: Sequence[GenerationRequest]) -> None:
+        """Queue requests all or none: when they do not all fit the queue, none is queued (EngineBusy)."""
         with self._cond:
             if self._stopping:
                 raise EngineUnavailable("the generation engine is stopped")
@@ -281,18 +198,23 @@ class GenerationEngine:
                 raise EngineUnavailable(
                     "memory is released (/release_memory_occupation); call /resume_memory_occupation first"
                 )
-            if request.params.sampling_seed is not None:
+            if len(self._queue) + len(requests) > self.max_queued_requests:
+                raise EngineBusy(
+                    f"the request queue is full ({len(self._queue)} waiting, max_queued_requests="
+                    f"{self.max_queued_requests}); retry later")
+            for request in requests:
                 seed = request.params.sampling_seed
-            else:
-                seed = self._rng.getrandbits(63)
-            request._generator = torch.Generator(device=self.device).manual_seed(seed)
-            self._queue.append(request)
+                if seed is None:
+                    seed = self._rng.getrandbits(63)
+                request._generator = torch.Generator(device=self.device).manual_seed(seed)
+                self._queue.append(request)
             self._cond.notify_all()
 
     def abort(self, rid: str | None = None, *, abort_all: bool = False, message: str = "aborted") -> int:
         """Abort one request by rid (or every request); returns how many were aborted."""
         with self._cond:
             hit = [r for r in (*self._queue, *self._running) if abort_all or r.rid == rid]
+            self._trim_due = self._trim_due or (abort_all and bool(hit))
             for r in hit:
                 r._abort_message = message
             queued = [r for r in self._queue if r._abort_message is not None]
@@ -301,10 +223,22 @@ class GenerationEngine:
         self._finish_all(queued, message)
         return len(hit)
 
-    def pending(self) -> int:
-        """Requests queued or running."""
+    def cancel(self, requests: Sequence[GenerationRequest], message: str) -> None:
+        """Abort these very requests (e.g. their client went away); their slots free within a decode step."""
         with self._cond:
-            return len(self._queue) + len(self._running)
+            for r in requests:
+                if not r.done:
+                    r._abort_message = message
+            queued = [r for r in self._queue if r._abort_message is not None]
+            self._queue = collections.deque(r for r in self._queue if r._abort_message is None)
+            self._cond.notify_all()
+        self._finish_all(queued, message)
+
+    def pending(self) -> int:
+        """Requests queued or running and not yet answered (a request is answered before its batch
+        bookkeeping ends, so counting the lists alone would race with a client's next call)."""
+        with self._cond:
+            return sum(not r.done for r in (*self._queue, *self._running))
 
     # ----- pause / continue -----
     def pause(self, mode: str = "abort") -> None:
@@ -388,12 +322,18 @@ class GenerationEngine:
                 return
             try:
                 self._run_batch(batch)
-            except Exception as exc:  # a model error must not kill the worker silently
-                self._finish_all(batch, f"generation failed: {type(exc).__name__}: {exc}")
+            except Exception as exc:  # a model error must not kill the worker, nor leave a request unanswered
+                with self._cond:
+                    involved = list({id(r): r for r in (*batch, *self._running)}.values())
+                self._finish_all(involved, f"generation failed: {type(exc).__name__}: {exc}")
             finally:
                 with self._cond:
                     self._running = []
+                    idle = not self._queue
                     self._cond.notify_all()
+                if idle and (self._trim_due or len(batch) >= 256):
+                    self._trim_due = False
+                    release_host_memory()
 
     def _can_start(self) -> bool:
         return bool(self._queue) and self._paused_mode is None and self._holds == 0 and not self._released
@@ -423,10 +363,7 @@ class GenerationEngine:
             return
         self.stats.batches += 1
         self.stats.recent_batch_sizes.append(len(rows))
-        cache = new_kv_cache()
-        input_ids, mask, positions = self._prefill_inputs(rows)
-        with self.model_lock, torch.inference_mode():
-            logits = self._forward(input_ids, mask, positions, cache)
+        rows, logits, mask, positions, cache = self._prefill_isolating(rows)
         while rows:
             rows, logits, mask, positions = self._join_waiting(rows, logits, mask, positions, cache)
             self.stats.max_batch_size = max(self.stats.max_batch_size, len(rows))
@@ -445,8 +382,54 @@ class GenerationEngine:
                 rows = [rows[i] for i in keep]
             mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
             positions = positions[:, -1:] + 1
+            try:
+                with self.model_lock, torch.inference_mode():
+                    logits = self._forward(tokens[:, None], mask, positions, cache)
+            except Exception as exc:  # a failed decode step: every row goes back to be re-prefilled
+                self._retract_after_failure(rows, exc)
+                return
+
+    def _prefill_isolating(self, rows: list[GenerationRequest]) -> tuple[list[GenerationRequest], Any, Any, Any, Any]:
+        """Prefill ``rows`` into a new KV cache; when the batch fails, find the rows that fail alone, answer
+        them with the error, and prefill the others without them. Returns (rows that run, logits, mask,
+        positions, cache)."""
+        cache = new_kv_cache()
+        try:
+            input_ids, mask, positions = self._prefill_inputs(rows)
             with self.model_lock, torch.inference_mode():
-                logits = self._forward(tokens[:, None], mask, positions, cache)
+                return rows, self._forward(input_ids, mask, positions, cache), mask, positions, cache
+        except Exception as exc:
+            if len(rows) == 1:
+                self._finish(rows[0], {"type": "abort", "message": f"prefill failed: {type(exc).__name__}: {exc}"})
+                return [], None, None, None, None
+        good = [r for r in rows if self._prefills_alone(r)]
+        if len(good) == len(rows):  # every row prefills alone but not together: the batch is the problem
+            self._finish_all(good, "prefill of the batch failed although each request prefills alone")
+            good = []
+        return self._prefill_isolating(good) if good else ([], None, None, None, None)
+
+    def _prefills_alone(self, r: GenerationRequest) -> bool:
+        try:
+            ids, mask, positions = self._prefill_inputs([r])
+            with self.model_lock, torch.inference_mode():
+                self._forward(ids, mask, positions, new_kv_cache())
+            return True
+        except Exception as exc:
+            self._finish(r, {"type": "abort", "message": f"prefill failed: {type(exc).__name__}: {exc}"})
+            return False
+
+    def _retract_after_failure(self, rows: list[GenerationRequest], exc: Exception) -> None:
+        """Put ``rows`` back at the head of the queue (their tokens so far are kept and re-prefilled, where
+        a row that breaks the forward pass is found alone); a row in its second failed step is answered."""
+        again, failed = [], []
+        for r in rows:
+            r._failures += 1
+            (failed if r._failures >= 2 else again).append(r)
+        self._finish_all(failed, f"generation failed: {type(exc).__name__}: {exc}")
+        with self._cond:
+            self._queue.extendleft(reversed(again))
+            self._running = []
+            self._cond.notify_all()
 
     def _prefill_inputs(
         self, rows: list[GenerationRequest]
@@ -479,10 +462,12 @@ class GenerationEngine:
         new = [r for r in new if not self._finished_before_prefill(r)]
         if not new:
             return rows, logits, mask, positions
-        new_cache = new_kv_cache()
-        ids2, mask2, pos2 = self._prefill_inputs(new)
+        new, logits2, mask2, pos2, new_cache = self._prefill_isolating(new)
+        with self._cond:  # rows that failed their prefill were answered: they no longer run
+            self._running = [r for r in self._running if not r.done]
+        if not new:
+            return rows, logits, mask, positions
         with self.model_lock, torch.inference_mode():
-            logits2 = self._forward(ids2, mask2, pos2, new_cache)
             width = max(mask.shape[1], mask2.shape[1])
             for old, add in zip(cache.layers, new_cache.layers, strict=True):
                 old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(add.keys, width)])
@@ -590,128 +575,3 @@ class GenerationEngine:
         r._done.set()
         if r.on_done is not None:
             r.on_done(r)
-
-
-_MERGEABLE_LAYERS = ("DynamicLayer", "GrowingKVLayer")
-
-
-def _mergeable(cache: Any) -> bool:
-    """Only plain full-attention cache layers can be padded and stacked (not sliding/linear ones)."""
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and all(
-        type(layer).__name__ in _MERGEABLE_LAYERS and layer.is_initialized for layer in layers
-    )
-
-
-@functools.cache
-def _growing_layer_class() -> type:
-    """``transformers``' ``DynamicLayer`` with amortised growth (built on first use: transformers loads lazily)."""
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowingKVLayer(DynamicLayer):
-        """Keys/values are views into a buffer with room to grow, so a decode step writes its token in
-        place instead of concatenating the whole cache (``DynamicLayer``: O(length) copy per step, 13% of a
-        CPU decode of 128 x 16 tokens). Anything that replaces ``keys`` (batch selection, the continuous-
-        batching merge, a crop) leaves the buffer behind, and the next update starts a new one."""
-
-        _buf_k: torch.Tensor | None = None
-        _buf_v: torch.Tensor | None = None
-
-        def _in_buffer(self, add: torch.Tensor) -> bool:
-            buf = self._buf_k
-            return (
-                buf is not None and self.keys.numel() > 0 and self.keys.data_ptr() == buf.data_ptr()
-                and self.keys.stride() == buf.stride() and self.keys.shape[:-2] == add.shape[:-2]
-                and self.keys.shape[-2] + add.shape[-2] <= buf.shape[-2]
-            )
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            n = self.keys.shape[-2] if self.keys.numel() else 0
-            end = n + key_states.shape[-2]
-            if not self._in_buffer(key_states):
-                shape = (*key_states.shape[:-2], end + max(32, end), key_states.shape[-1])  # x2 headroom
-                self._buf_k, self._buf_v = key_states.new_empty(shape), value_states.new_empty(shape)
-                if n:
-                    self._buf_k[..., :n, :] = self.keys
-                    self._buf_v[..., :n, :] = self.values
-            assert self._buf_k is not None and self._buf_v is not None
-            self._buf_k[..., n:end, :] = key_states
-            self._buf_v[..., n:end, :] = value_states
-            self.keys, self.values = self._buf_k[..., :end, :], self._buf_v[..., :end, :]
-            return self.keys, self.values
-
-    return GrowingKVLayer
-
-
-def new_kv_cache() -> Any:
-    """A ``DynamicCache`` whose layers grow in place (see ``GrowingKVLayer``); same results, faster decode.
-
-    >>> cache = new_kv_cache()  # doctest: +SKIP
-    """
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    if hasattr(cache, "layer_class_to_replicate"):  # transformers' layered caches (5.x); else plain growth
-        cache.layer_class_to_replicate = _growing_layer_class()
-    return cache
-
-
-def _left_pad(t: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
-    """Zero-pad ``t`` on the left of ``dim`` up to ``width`` (KV: [B, H, S, D] -> dim 2)."""
-    missing = width - t.shape[dim]
-    if missing <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-def sample_next_tokens(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row of ``logits`` [B, V] (float32) and return (tokens [B], logprobs [B]).
-
-    Greedy rows (temperature 0) take the argmax. Other rows sample from softmax(logits / T)
-    restricted by top-k then top-p, using the row's own generator (exponential-race sampling:
-    argmax(p / E) with E ~ Exp(1) draws from p). The returned log-prob is
-    log_softmax(logits / T)[token] (raw logits at T = 0), without the top-k/top-p filter.
-    """
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-    greedy = temps == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
-    tokens = logits.argmax(dim=-1)
-    sampled_rows = (~greedy).nonzero().flatten().tolist()
-    if sampled_rows:
-        sub = scaled[sampled_rows]
-        sub = _filter_top_k_top_p(sub, [params[i] for i in sampled_rows])
-        probs = torch.softmax(sub, dim=-1)
-        noise = torch.stack(
-            [
-                torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=generators[i])
-                for i in sampled_rows
-            ]
-        )
-        tokens[sampled_rows] = (probs / noise).argmax(dim=-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-
-
-def _filter_top_k_top_p(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Set logits outside each row's top-k / top-p nucleus to -inf."""
-    vocab = scaled.shape[-1]
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    ps = [p.top_p for p in params]
-    if all(k == vocab for k in ks) and all(p >= 1.0 for p in ps):
-        return scaled
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=scaled.device)[None, :]
-    drop = rank >= torch.tensor(ks, device=scaled.device)[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
-    mass_before = probs.cumsum(dim=-1) - probs
-    top_p = torch.tensor(ps, dtype=probs.dtype, device=scaled.device)[:, None]
-    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, float("-inf"))
-    return torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)

@@ -76,7 +76,10 @@ FLATTENED_BUCKET = "flattened_bucket"
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    """Strict types (``"yes"`` is not a bool, ``1.5`` not an int), as SGLang's msgspec decoding; unknown
+    fields are ignored, as SGLang's server ignores them."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
 
 class GenerateRequest(_Body):
@@ -169,6 +172,12 @@ class InitWeightsUpdateGroup(_Body):
     group_name: str = "weight_update_group"
     backend: Literal["nccl", "gloo"] = "nccl"
 
+    @field_validator("master_port", mode="before")
+    @classmethod
+    def _port_as_number(cls, v: Any) -> Any:
+        """SGLang's own tests send the port as a string."""
+        return int(v) if isinstance(v, str) and v.strip().isdigit() else v
+
 
 class UpdateWeightsFromDistributed(_WeightUpdate):
     names: list[str]
@@ -223,7 +232,7 @@ def request_error(exc: ValidationError, endpoint: str) -> str:
     ...                                            "rank_offset": 0, "world_size": 2})
     ... except ValidationError as e:
     ...     print(request_error(e, "/init_weights_update_group"))
-    /init_weights_update_group: master_port='x': Input should be a valid integer, unable to parse string as an integer
+    /init_weights_update_group: master_port='x': Input should be a valid integer
     """
     problems = []
     for err in exc.errors():

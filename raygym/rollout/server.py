@@ -31,6 +31,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +39,13 @@ from aiohttp import web
 
 from raygym.rollout import protocol
 from raygym.rollout.auth import engine_api_key
-from raygym.rollout.generation import EngineUnavailable, GenerationEngine, GenerationRequest, SamplingParams
+from raygym.rollout.generation import (
+    EngineBusy,
+    EngineUnavailable,
+    GenerationEngine,
+    GenerationRequest,
+    SamplingParams,
+)
 from raygym.rollout.protocol import STATE_CHANGING, Endpoint
 from raygym.rollout.server_http import BadRequest, guard_middleware, handles_errors, parse
 from raygym.rollout.server_weights import WeightRoutes
@@ -120,6 +127,16 @@ def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
 # --------------------------------------------------------------------------- HTTP
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for, and what the server holds at once (server flags)."""
+
+    context_length: int  # prompt + max_new_tokens, in tokens (the model's max_position_embeddings by default)
+    max_n: int = 128  # samples per prompt
+    max_queued_requests: int = 4096  # sequences waiting to run; more -> 503
+    max_body_bytes: int = 64 << 20  # request body; more -> 413
+
+
 class InferenceServer:
     """The HTTP front of one :class:`GenerationEngine` plus weight management."""
 
@@ -134,8 +151,10 @@ class InferenceServer:
         weight_sources: tuple[str, ...] = (),
         weight_update_timeout_s: float = 600.0,
         api_key: str | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.engine = engine
+        self.limits = limits or Limits(context_length=engine.max_positions)
         self.model_path = model_path
         self.tokenizer = tokenizer
         self.api_key = api_key
@@ -154,7 +173,7 @@ class InferenceServer:
         return self.weights.weight_version
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30,
+        app = web.Application(client_max_size=self.limits.max_body_bytes,
                               middlewares=[guard_middleware(self.api_key, frozenset(e.value for e in STATE_CHANGING))])
         r = app.router
         r.add_route("*", Endpoint.GENERATE.value, self.generate)
@@ -187,6 +206,7 @@ class InferenceServer:
         want_logprob = self._per_item(req.return_logprob, len(prompts), "return_logprob", bool, False)
         starts = self._per_item(req.logprob_start_len, len(prompts), "logprob_start_len", int, -1)
         parsed = [SamplingParams.from_dict(p) for p in params]
+        self._admit(prompts, parsed)
         loop = asyncio.get_running_loop()
         jobs: list[tuple[GenerationRequest, asyncio.Future, bool, int]] = []
         started = time.monotonic()
@@ -196,17 +216,44 @@ class InferenceServer:
                 fut = loop.create_future()
                 req_ = GenerationRequest(rid=rid, input_ids=ids, params=sp, on_done=_resolver(loop, fut))
                 jobs.append((req_, fut, lp, start))
+        requests = [job[0] for job in jobs]
         try:
-            for job in jobs:
-                self.engine.submit(job[0])
+            self.engine.submit_all(requests)
+        except EngineBusy as exc:
+            raise BadRequest(str(exc), 503) from None
         except EngineUnavailable as exc:
-            for job in jobs:
-                self.engine.abort(job[0].rid)
             raise BadRequest(str(exc)) from None
-        await asyncio.gather(*(fut for _, fut, _, _ in jobs))
+        try:
+            await asyncio.gather(*(fut for _, fut, _, _ in jobs))
+        except asyncio.CancelledError:  # the client went away: free its slots within a decode step
+            self.engine.cancel(requests, "the client disconnected")
+            raise
         latency = time.monotonic() - started
         outputs = [await self._output(r, lp, start, req.return_text_in_logprobs, latency) for r, _, lp, start in jobs]
         return web.json_response(outputs[0] if single and len(outputs) == 1 else outputs)
+
+    def _admit(self, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        """Refuse, before anything is queued, what cannot be served: too many samples, prompts that do not
+        fit the context with their ``max_new_tokens`` (SGLang's rule and wording)."""
+        context = self.limits.context_length
+        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+            where = f"prompt {i}: " if len(prompts) > 1 else ""
+            if p.n > self.limits.max_n:
+                raise BadRequest(f"{where}sampling_params.n={p.n}: at most {self.limits.max_n} samples per prompt "
+                                 "(--max-n)")
+            if len(ids) >= context:
+                raise BadRequest(f"{where}The input ({len(ids)} tokens) is longer than the model's context length "
+                                 f"({context} tokens).")
+            if len(ids) + p.max_new_tokens > context:
+                raise BadRequest(
+                    f"{where}Requested token count exceeds the model's maximum context length of {context} tokens. "
+                    f"You requested a total of {len(ids) + p.max_new_tokens} tokens: {len(ids)} tokens from the "
+                    f"input messages and {p.max_new_tokens} tokens for the completion (sampling_params.max_new_tokens)."
+                )
+        total = sum(p.n for p in params)
+        if total > self.limits.max_queued_requests:
+            raise BadRequest(f"{total} samples in one request: more than the queue holds "
+                             f"(--max-queued-requests {self.limits.max_queued_requests})")
 
     def _prompts(self, req: protocol.GenerateRequest) -> tuple[list[list[int]], bool]:
         if (req.input_ids is None) == (req.text is None):
@@ -215,9 +262,16 @@ class InferenceServer:
             if self.tokenizer is None:
                 raise BadRequest("this model has no tokenizer; send 'input_ids' instead of 'text'")
             texts = [req.text] if isinstance(req.text, str) else req.text
-            return [self.tokenizer.encode(t) for t in texts], isinstance(req.text, str)
+            if not texts or any(t == "" for t in texts):
+                raise BadRequest("'text' must be a non-empty string or a non-empty list of non-empty strings")
+            encoded = [self.tokenizer.encode(t) for t in texts]
+            if any(not ids for ids in encoded):
+                raise BadRequest("'text' encodes to no tokens; send text the tokenizer turns into at least one token")
+            return encoded, isinstance(req.text, str)
         ids: Any = req.input_ids
-        single = not ids or not isinstance(ids[0], list)
+        if isinstance(ids, list) and not ids:
+            raise BadRequest("'input_ids' must be a non-empty list of ints or a list of such lists")
+        single = not isinstance(ids[0], list)
         batch = [ids] if single else ids
         vocab = self.engine.model.config.vocab_size
         for row in batch:
@@ -417,7 +471,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together (batch size)")
+    p.add_argument("--max-queued-requests", type=int, default=4096,
+                   help="sequences waiting to run; a request that does not fit gets HTTP 503")
+    p.add_argument("--max-n", type=int, default=128, help="samples per prompt (sampling_params.n)")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="prompt + max_new_tokens per sequence (default: the model's max_position_embeddings)")
+    p.add_argument("--max-body-bytes", type=int, default=64 << 20, help="largest request body; more gets HTTP 413")
     p.add_argument(
         "--custom-weight-loader", nargs="*", default=[], help="pkg.mod:fn loaders a load_format may name"
     )
@@ -440,8 +500,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
-    if args.max_running_requests < 1:
-        p.error(f"--max-running-requests {args.max_running_requests}: must be >= 1")
+    for flag in ("max_running_requests", "max_queued_requests", "max_n", "context_length", "max_body_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')} {value}: must be >= 1")
     return args
 
 
@@ -460,7 +522,10 @@ async def serve(args: argparse.Namespace) -> None:
         seed=args.seed,
         batch_wait_s=args.batch_wait_ms / 1000.0,
         pad_token_id=int(getattr(model.config, "pad_token_id", None) or 0),
+        max_queued_requests=args.max_queued_requests,
     )
+    limits = Limits(context_length=args.context_length or engine.max_positions, max_n=args.max_n,
+                    max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes)
     server = InferenceServer(
         engine,
         model_path=args.model_path,
@@ -470,9 +535,11 @@ async def serve(args: argparse.Namespace) -> None:
         weight_sources=tuple(args.weight_source),
         weight_update_timeout_s=args.weight_update_timeout,
         api_key=engine_api_key(),
+        limits=limits,
     )
     engine.start()
-    runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=2.0)
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels its requests
+    runner = web.AppRunner(server.app(), access_log=None, shutdown_timeout=2.0, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()

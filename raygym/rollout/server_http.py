@@ -43,15 +43,20 @@ def result_response(result: dict[str, Any]) -> web.Response:
 
 async def read_json(request: web.Request, *, required: bool = True) -> dict[str, Any]:
     """The request's JSON object body (``{}`` when empty and not required)."""
-    raw = await request.read()
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise BadRequest(f"{request.path}: the body is larger than this server accepts ({exc.text})", 413) from None
     if not raw.strip():
         if required:
             raise BadRequest(f"{request.path}: expected a JSON object body")
         return {}
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"{request.path}: body is not valid JSON ({exc})") from exc
+        body = json.loads(raw, parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise BadRequest(f"{request.path}: the body is not UTF-8 text") from None
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise BadRequest(f"{request.path}: body is not valid JSON ({exc})") from None
     if not isinstance(body, dict):
         raise BadRequest(f"{request.path}: body must be a JSON object, got {type(body).__name__}")
     return body
@@ -66,6 +71,10 @@ async def parse(request: web.Request, model: type[M], *, required: bool = True) 
         raise BadRequest(request_error(exc, request.path)) from None
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; send a finite number")
+
+
 def handles_errors(fn: Handler) -> Handler:
     """Turn ValueError (BadRequest included) into SGLang's error body; anything else is logged and a 500."""
 
@@ -77,6 +86,8 @@ def handles_errors(fn: Handler) -> Handler:
             return error_response(str(exc), exc.status)
         except ValueError as exc:
             return error_response(str(exc))
+        except web.HTTPException:
+            raise
         except Exception as exc:
             log.exception("%s failed", request.path)
             return error_response(f"{request.path} failed: {type(exc).__name__}: {exc}", status=500)

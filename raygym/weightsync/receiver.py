@@ -22,6 +22,8 @@ import contextlib
 import importlib
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,7 @@ from raygym.weightsync.tensor_pickle import loads_named_tensors
 from raygym.weightsync.transport_dist import ScratchBuffers, join_group, receive_flattened, receive_tensors
 
 Loader = Callable[[torch.nn.Module, Iterable[tuple[str, torch.Tensor]]], Any]
+_JOINS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="raygym-join")
 DEFAULT_FORMATS = (None, "", "auto", "safetensors", "default", "direct")
 
 
@@ -139,12 +142,19 @@ class WeightReceiver:
                          "joins at rank_offset >= 1")
         if req.backend == "nccl" and not torch.cuda.is_available():
             return _fail("backend='nccl' needs CUDA; use backend='gloo' on CPU")
+        # torch's rendezvous can overrun its timeout (client retries); the answer comes within it regardless,
+        # and a join that completes after the answer was given up on is left again at once.
+        joining = _JOINS.submit(join_group, req.master_address, req.master_port, req.rank_offset, req.world_size,
+                                req.group_name, req.backend, self.timeout_s)
         try:
-            pg = join_group(req.master_address, req.master_port, req.rank_offset, req.world_size,
-                            req.group_name, req.backend, self.timeout_s)
-            self.groups[req.group_name] = JoinedGroup(pg, req.backend)
+            pg = joining.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            joining.add_done_callback(lambda f: f.exception() is None and destroy_group(f.result(), req.group_name))
+            return _fail(f"Failed to init group {req.group_name!r}: not formed within {self.timeout_s} s "
+                         f"(master {req.master_address}:{req.master_port}, world_size {req.world_size})")
         except Exception as exc:
             return _fail(f"Failed to init group {req.group_name!r}: {type(exc).__name__}: {exc}")
+        self.groups[req.group_name] = JoinedGroup(pg, req.backend)
         return _ok(f"Succeeded to initialize custom process group {req.group_name!r} "
                    f"(rank {req.rank_offset} of {req.world_size}).")
 

@@ -57,12 +57,17 @@ def join_group(
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store, _, _ = next(dist.rendezvous(tcp_url(master_address, master_port), rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    deadline = time.monotonic() + timeout_s  # one budget for both phases: the join ends within timeout_s
+
+    def left() -> datetime.timedelta:
+        return datetime.timedelta(seconds=max(0.5, deadline - time.monotonic()))
+
+    store, _, _ = next(dist.rendezvous(tcp_url(master_address, master_port), rank, world_size, timeout=left()))
+    store.set_timeout(left())
     store = dist.PrefixStore(group_name, store)
     # torch has no public API for a group outside the default world; SGLang uses this helper too.
-    pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name, timeout=timeout)
+    pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name,
+                                           timeout=datetime.timedelta(seconds=timeout_s))
     # SGLang's receivers call torch.distributed.broadcast(src=0, group=pg), which maps ranks through this table.
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg

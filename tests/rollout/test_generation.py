@@ -9,13 +9,8 @@ import pytest
 import torch
 
 from raygym.builtin import build_tiny_model
-from raygym.rollout.generation import (
-    EngineUnavailable,
-    GenerationEngine,
-    GenerationRequest,
-    SamplingParams,
-    sample_next_tokens,
-)
+from raygym.rollout.generation import EngineUnavailable, GenerationEngine, GenerationRequest
+from raygym.rollout.sampling import SamplingParams, sample_next_tokens
 
 
 @pytest.fixture(scope="module")

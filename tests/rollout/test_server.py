@@ -331,7 +331,7 @@ def test_health_model_info_and_flush_cache(server, model_path):
     assert r.status_code == 200 and r.text.startswith("Cache flushed.")
 
 
-def _long_request(server: str, rid: str, max_new_tokens: int = 100000):
+def _long_request(server: str, rid: str, max_new_tokens: int = 60000):
     """Start a long greedy generation in a thread; returns the future of its answer."""
     pool = ThreadPoolExecutor(1)
     body = {
@@ -349,13 +349,23 @@ def _wait_pending(server: str, n: int, timeout: float = 30) -> None:
         time.sleep(0.02)
 
 
+def _wait_generating(server: str, timeout: float = 30) -> None:
+    """Wait until the running request has produced tokens (a counter, not a sleep)."""
+    start = run(server, lambda c: c.stats())["generated_tokens"]
+    deadline = time.monotonic() + timeout
+    while run(server, lambda c: c.stats())["generated_tokens"] <= start:
+        assert time.monotonic() < deadline, "the request never produced a token"
+        time.sleep(0.02)
+
+
 def test_abort_request_by_rid(server):
     fut = _long_request(server, "to-abort")
     _wait_pending(server, 1)
+    _wait_generating(server)
     run(server, lambda c: c.abort_request("to-abort"))
     out = fut.result(timeout=60)
     assert out["meta_info"]["finish_reason"]["type"] == "abort"
-    assert 0 < out["meta_info"]["completion_tokens"] < 100000
+    assert 0 < out["meta_info"]["completion_tokens"] < 60000
 
 
 def test_pause_abort_mode_aborts_in_flight_and_holds_new_requests_until_continue(server):

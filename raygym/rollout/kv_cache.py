@@ -1,0 +1,84 @@
+"""KV caches for raygym's server: transformers' ``DynamicCache`` with layers that grow in place, and the
+helpers continuous batching needs to merge caches of requests that joined a running batch."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+_MERGEABLE_LAYERS = ("DynamicLayer", "GrowingKVLayer")
+
+
+def _mergeable(cache: Any) -> bool:
+    """Only plain full-attention cache layers can be padded and stacked (not sliding/linear ones)."""
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(
+        type(layer).__name__ in _MERGEABLE_LAYERS and layer.is_initialized for layer in layers
+    )
+
+
+@functools.cache
+def _growing_layer_class() -> type:
+    """``transformers``' ``DynamicLayer`` with amortised growth (built on first use: transformers loads lazily)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingKVLayer(DynamicLayer):
+        """Keys/values are views into a buffer with room to grow, so a decode step writes its token in
+        place instead of concatenating the whole cache (``DynamicLayer``: O(length) copy per step, 13% of a
+        CPU decode of 128 x 16 tokens). Anything that replaces ``keys`` (batch selection, the continuous-
+        batching merge, a crop) leaves the buffer behind, and the next update starts a new one."""
+
+        _buf_k: torch.Tensor | None = None
+        _buf_v: torch.Tensor | None = None
+
+        def _in_buffer(self, add: torch.Tensor) -> bool:
+            buf = self._buf_k
+            return (
+                buf is not None and self.keys.numel() > 0 and self.keys.data_ptr() == buf.data_ptr()
+                and self.keys.stride() == buf.stride() and self.keys.shape[:-2] == add.shape[:-2]
+                and self.keys.shape[-2] + add.shape[-2] <= buf.shape[-2]
+            )
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            n = self.keys.shape[-2] if self.keys.numel() else 0
+            end = n + key_states.shape[-2]
+            if not self._in_buffer(key_states):
+                shape = (*key_states.shape[:-2], end + max(32, end), key_states.shape[-1])  # x2 headroom
+                self._buf_k, self._buf_v = key_states.new_empty(shape), value_states.new_empty(shape)
+                if n:
+                    self._buf_k[..., :n, :] = self.keys
+                    self._buf_v[..., :n, :] = self.values
+            assert self._buf_k is not None and self._buf_v is not None
+            self._buf_k[..., n:end, :] = key_states
+            self._buf_v[..., n:end, :] = value_states
+            self.keys, self.values = self._buf_k[..., :end, :], self._buf_v[..., :end, :]
+            return self.keys, self.values
+
+    return GrowingKVLayer
+
+
+def new_kv_cache() -> Any:
+    """A ``DynamicCache`` whose layers grow in place (see ``GrowingKVLayer``); same results, faster decode.
+
+    >>> cache = new_kv_cache()  # doctest: +SKIP
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    if hasattr(cache, "layer_class_to_replicate"):  # transformers' layered caches (5.x); else plain growth
+        cache.layer_class_to_replicate = _growing_layer_class()
+    return cache
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:
+    """Zero-pad ``t`` on the left of ``dim`` up to ``width`` (KV: [B, H, S, D] -> dim 2)."""
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
