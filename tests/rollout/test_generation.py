@@ -343,3 +343,72 @@ def test_requests_arriving_mid_batch_join_it_and_match_solo_results(model_and_to
         assert long.wait(60) and len(long.output_ids) == 200
     finally:
         eng.stop()
+
+
+class PoisonedModel(torch.nn.Module):
+    """The tiny model, except that a prefill (a forward pass over more than one position) containing token
+    ``poison`` raises (a request that breaks its prefill); ``fail_decodes`` makes that many single-token
+    forward passes raise as well."""
+
+    def __init__(self, model, poison: int):
+        super().__init__()
+        self.inner, self.poison, self.config = model, poison, model.config
+        self.fail_decodes = 0
+        self.forward = self._forward  # GenerationEngine inspects forward's signature
+
+    def _forward(self, input_ids=None, **kw):
+        if input_ids.shape[1] > 1 and bool((input_ids == self.poison).any()):
+            raise RuntimeError("poisoned token")
+        if input_ids.shape[1] == 1 and self.fail_decodes > 0:
+            self.fail_decodes -= 1
+            raise RuntimeError("a decode step failed")
+        return self.inner(input_ids=input_ids, **kw)
+
+    def parameters(self, recurse: bool = True):
+        return self.inner.parameters(recurse)
+
+
+def test_a_request_that_breaks_its_prefill_fails_alone(model_and_tok):
+    model, tok = model_and_tok
+    poisoned = PoisonedModel(model, poison=13)
+    eng = GenerationEngine(poisoned, eos_token_ids=[tok.eos_token_id], max_running_requests=16, seed=3)
+    eng.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+        long = [GenerationRequest(f"ok{i}", [3, 4, 5 + i], params) for i in range(3)]
+        bad = GenerationRequest("bad", [3, 13, 4], params)
+        run_all(eng, [*long[:2], bad])  # submitted together: one batch
+        assert bad.finish_reason["type"] == "abort" and "prefill failed" in bad.finish_reason["message"]
+        assert [r.finish_reason for r in long[:2]] == [{"type": "length", "length": 40}] * 2
+        # joining a running batch: the bad newcomer fails, the running row goes on
+        eng.submit(long[2])
+        while not long[2].output_ids:
+            assert not long[2].done
+        late_bad = GenerationRequest("late-bad", [13, 3], params)
+        eng.submit(late_bad)
+        assert late_bad.wait(30) and late_bad.finish_reason["type"] == "abort"
+        assert long[2].wait(30) and long[2].finish_reason == {"type": "length", "length": 40}
+        assert eng.pending() == 0
+    finally:
+        eng.stop()
+
+
+def test_a_failed_decode_step_retracts_the_rows_which_then_finish(model_and_tok):
+    model, tok = model_and_tok
+    poisoned = PoisonedModel(model, poison=10_000)
+    eng = GenerationEngine(poisoned, eos_token_ids=[tok.eos_token_id], max_running_requests=16, seed=3)
+    eng.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+        reference = [GenerationRequest(f"r{i}", [3, 4, 5 + i], params) for i in range(2)]
+        run_all(eng, reference)
+        poisoned.fail_decodes = 1
+        again = [GenerationRequest(f"a{i}", [3, 4, 5 + i], params) for i in range(2)]
+        run_all(eng, again)
+        assert [r.output_ids for r in again] == [r.output_ids for r in reference]  # same tokens after re-prefill
+        poisoned.fail_decodes = 10**6  # every decode fails: each row is answered after its second failure
+        doomed = GenerationRequest("doomed", [3, 4], params)
+        run_all(eng, [doomed])
+        assert doomed.finish_reason["type"] == "abort" and "decode step failed" in doomed.finish_reason["message"]
+    finally:
+        eng.stop()

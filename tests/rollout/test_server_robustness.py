@@ -5,6 +5,7 @@ goes away frees its slot, and nothing without the key, or from a web page, chang
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -12,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -40,31 +42,41 @@ def weights_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("weights")
 
 
-@pytest.fixture(scope="module")
-def server(model_path, weights_dir, tmp_path_factory):
+@contextlib.contextmanager
+def start_server(model_path: str, extra_args: tuple[str, ...] = (), extra_env: dict | None = None):
+    """raygym's server on a free port of 127.0.0.1 (its log in a temp file); ended by its own process group."""
     port = free_port("127.0.0.1")
-    log = tmp_path_factory.mktemp("log") / "server.log"
-    env = {**os.environ, "RAYGYM_ENGINE_API_KEY": KEY,
+    log = Path(tempfile.mkdtemp(prefix="rg-server-")) / "server.log"
+    env = {**os.environ, **(extra_env or {}),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     argv = [sys.executable, "-m", "raygym.rollout.server", "--model-path", model_path, "--host", "127.0.0.1",
-            "--port", str(port), "--device", "cpu", "--max-n", "8", "--max-queued-requests", "64",
-            "--max-body-bytes", str(1 << 20), "--weight-update-timeout", "5", "--weight-source", str(weights_dir)]
+            "--port", str(port), "--device", "cpu", *extra_args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, log.read_text()[-3000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "server not healthy in 180 s"
-        time.sleep(0.2)
-    yield url
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server not healthy in 180 s"
+            time.sleep(0.2)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(model_path, weights_dir):
+    with start_server(model_path, ("--max-n", "8", "--max-queued-requests", "64", "--max-body-bytes", str(1 << 20),
+                                   "--weight-update-timeout", "5", "--weight-source", str(weights_dir)),
+                      {"RAYGYM_ENGINE_API_KEY": KEY}) as url:
+        yield url
 
 
 def post(url: str, path: str, body=None, **kw) -> httpx.Response:

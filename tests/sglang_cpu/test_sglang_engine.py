@@ -177,9 +177,10 @@ def test_delta_over_disk_through_the_custom_loader(engine, sglang_python, sglang
 def test_a_delta_the_engine_cannot_apply_is_reported_and_resynced(engine, sglang_python, sglang_model, tmp_path):
     """An engine whose host snapshot is gone (a restart, here a fresh sender's first delta after the engine's
     snapshot went stale) answers through its acknowledgement; the coordinator resyncs in full."""
-    trainer = LocalTrainer(sglang_model, lr=2e-2)
-    sync = make_sync(engine, sglang_python, trainer, update_weight_transport="disk", update_weight_mode="delta",
-                     update_weight_disk_dir=str(tmp_path / "sync"), update_weight_encoding="deltas")
+    trainer = LocalTrainer(sglang_model, lr=1e-6)
+    sync = make_sync(engine, sglang_python, trainer, cast_dtype="bfloat16", update_weight_transport="disk",
+                     update_weight_mode="delta", update_weight_disk_dir=str(tmp_path / "sync"),
+                     update_weight_encoding="deltas")
     sync.push(1)
     engine.restart()  # the new process holds no snapshot
     sync.links[0].base_url = engine.url()
@@ -209,3 +210,40 @@ def test_a_sync_that_cannot_verify_fails_loudly(engine, sglang_python, sglang_mo
     with pytest.raises(WeightSyncError, match="probe log-probs differ"):
         sync.push(1)
     sync.shutdown()
+
+
+# The same malformed requests to stock SGLang 0.5.18 and to raygym's server (docs/engines.md lists them):
+# raygym answers every one with a 4xx naming the field; SGLang's answers are recorded as measured, so a
+# change in a new SGLang release shows up here. (A token id beyond the vocabulary ends SGLang's CPU server;
+# that case is left out of the shared engine's tests and documented instead.)
+PARITY = [
+    ("/generate", {"input_ids": 5}, 400),
+    ("/generate", {"input_ids": []}, 400),
+    ("/generate", {"text": ""}, 400),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, 400),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, 400),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, 400),
+    ("/generate", {"input_ids": [1] * 300}, 400),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 300}}, 400),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"bogus": 1}}, 500),  # raygym: 400
+    ("/generate", {"input_ids": [1, 2], "return_logprob": "yes", "sampling_params": {"max_new_tokens": 2}}, 200),
+    ("/generate", {"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2**70, "max_new_tokens": 2}}, 200),
+    ("/release_memory_occupation", {"tags": [[1]]}, 400),
+    ("/pause_generation", {"mode": "sideways"}, 400),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "x", "rank_offset": 1,
+                                    "world_size": 2, "backend": "gloo"}, 400),
+]
+
+
+def test_malformed_requests_against_sglang_and_raygym(engine, sglang_model):
+    from raygym.rollout.auth import auth_headers
+    from tests.rollout.test_server_robustness import start_server
+
+    sglang_statuses = [httpx.post(f"{engine.url()}{path}", json=body, headers=auth_headers(), timeout=60).status_code
+                       for path, body, _ in PARITY]
+    assert sglang_statuses == [want for _, _, want in PARITY]
+    assert engine.health_generate()  # none of them hurt the engine
+    with start_server(sglang_model, extra_env={"RAYGYM_ENGINE_API_KEY": API_KEY}) as url:
+        for path, body, _ in PARITY:
+            r = httpx.post(f"{url}{path}", json=body, headers=auth_headers(), timeout=60)
+            assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text)
