@@ -271,7 +271,9 @@ def write_hf_model(model_state: dict[str, torch.Tensor], hf_source: str, out_url
     """Write an HF model directory (safetensors + config + tokenizer) from a full HF-named state dict.
 
     ``hf_source`` is a local directory with ``config.json`` (and tokenizer files). ``out_url`` may be any
-    fsspec URL; the files are written locally first and then uploaded.
+    fsspec URL; the files are written locally first and then uploaded. The names may be those of the
+    in-memory transformers model (the torch backend's) or those of the checkpoint files (the Megatron
+    backend's: e.g. one tensor per MoE expert, which transformers 5 fuses in memory).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -279,11 +281,8 @@ def write_hf_model(model_state: dict[str, torch.Tensor], hf_source: str, out_url
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(model_state, strict=False, assign=True)
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise ConfigError(
-            f"export: the checkpoint lacks parameters {missing[:5]}; is it a checkpoint of this model?"
-        )
+    if any(p.is_meta for p in model.parameters()):
+        model = _load_file_named_state(model_state, hf_source)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     fs, root = fsspec.core.url_to_fs(out_url)
@@ -298,6 +297,24 @@ def write_hf_model(model_state: dict[str, torch.Tensor], hf_source: str, out_url
         fs.put(target.rstrip("/") + "/", root, recursive=True)
         return fs.unstrip_protocol(root)
     return root
+
+
+def _load_file_named_state(model_state: dict[str, torch.Tensor], hf_source: str) -> Any:
+    """The transformers model of ``hf_source``'s config holding ``model_state`` given under the names of HF
+    checkpoint FILES: staged as a safetensors file and read back with ``from_pretrained``, which applies
+    the model's own name conversions (ConfigError naming what is missing)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="raygym-hfstage-") as staging:
+        Path(staging, "config.json").write_bytes(Path(hf_source, "config.json").read_bytes())
+        save_file({k: v.contiguous() for k, v in model_state.items()}, str(Path(staging, "model.safetensors")),
+                  metadata={"format": "pt"})
+        model, info = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32, output_loading_info=True)
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise ConfigError(f"export: the checkpoint lacks parameters {missing[:5]}; is it a checkpoint of this model?")
+    return model
 
 
 def export_hf(checkpoint_dir: str, out_dir: str) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from raygym.allocation import GpuAllocation
-from raygym.config import Recipe, TrainConfig, format_cli_help
+from raygym.config import Recipe, TrainConfig, format_cli_help, megatron_installed
 from raygym.errors import ConfigError, RaygymError
 
 USAGE_ERROR = 2
@@ -115,6 +115,7 @@ def _print_plan(cfg: TrainConfig) -> None:
         table.add_row(*row)
     console.print(table)
     console.print(allocation_summary(alloc), markup=False)
+    console.print(cfg.recipe.trainer_backend_summary(megatron_installed=megatron_installed()), markup=False)
 
 
 # ── commands ─────────────────────────────────────────────────────────────────────────────────────

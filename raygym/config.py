@@ -50,6 +50,13 @@ __all__ = [
     "new_run_id",
 ]
 
+def megatron_installed() -> bool:
+    """Whether megatron-core can be imported in this environment (looked up, not imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+
+
 # A user function: the callable itself, or its import path "pkg.module:function" (or "pkg.module.function").
 CustomFunction = Callable[..., Any] | str | None
 

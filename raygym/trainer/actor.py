@@ -92,14 +92,9 @@ def choose_backend(name: str, model_parallel: bool = False) -> str:
     return "torch"
 
 
-def megatron_installed() -> bool:
-    """Whether megatron-core can be imported here (without importing it)."""
-    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
-
-
 def make_backend(name: str, settings: TrainerSettings, role: str) -> TrainerBackend:
     """The backend of ``role`` (``recipe.check_trainer_backend`` first: never a silent switch to torch)."""
-    from raygym.config import Recipe
+    from raygym.config import Recipe, megatron_installed
 
     recipe = settings.recipe
     if role == "critic":
