@@ -133,6 +133,7 @@ def sharded_load(backend, url: str) -> None:
 
 def worker(model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
+    from transformers import Qwen3ForCausalLM  # noqa: F401  (the code, not the state, before the baseline)
 
     from raygym.trainer import TrainerSettings
     from raygym.trainer.torch_backend import TorchBackend

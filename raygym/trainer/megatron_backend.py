@@ -92,6 +92,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         self.use_te = False
         self.loss_config = RLLossConfig.from_settings(settings)
         self.single_pass = False
+        self.frozen: list[str] = []
         self._offloaded = False
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -121,6 +122,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         model, self.shape = build_gpt_model(self.hf_config, self.options, self.facts["tp_size"], self.use_te)
         model = model.to(self.device)
         self.load_hf_checkpoint(model, self.model_path)
+        self.frozen = self._freeze(model)
         self.model = self._wrap_for_training(model) if cuda else model
         self.optimizer = self._build_optimizer()
         s = self.settings
@@ -144,6 +146,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
             "qkv_format": "thd" if self.use_te else "bshd",
             "params_dtype": str(self.options.torch_dtype(cuda=cuda)).removeprefix("torch."),
             "reference_model": self.ref_model is not None,
+            "frozen": self.frozen,
             "single_pass_log_probs": self.single_pass,
         }
 
@@ -170,11 +173,21 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         model.config.finalize_model_grads_func = finalize_model_grads
         return wrapped
 
+    def _freeze(self, model: Any) -> list[str]:
+        """``freeze_params_name_list``: a parameter is frozen when a pattern matches one of its HF names (as on
+        the torch backend) or its Megatron name (a fused tensor freezes whole); returns the HF names frozen."""
+        from raygym.trainer.optim import split_frozen
+
+        mapped = self._mapped_params(model)
+        split_frozen([(name, lp.param) for lp in mapped for name in (*lp.pm.hf, lp.pm.megatron)],
+                     self.settings.freeze_params_name_list)
+        return sorted(n for lp in mapped if not lp.param.requires_grad for n in lp.pm.hf)
+
     def _build_optimizer(self) -> Any:
-        from raygym.trainer.optim import build_optimizer, split_frozen
+        from raygym.trainer.optim import build_optimizer
 
         s = self.settings
-        trainable, _ = split_frozen(list(unwrap(self.model).named_parameters()), s.freeze_params_name_list)
+        trainable = [(n, p) for n, p in unwrap(self.model).named_parameters() if p.requires_grad]
         if torch.cuda.is_available():
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
