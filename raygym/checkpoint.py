@@ -1,17 +1,23 @@
 """Checkpoints through fsspec (any URL: local paths, ``memory://``, object stores) and HF export.
 
-Layout of one checkpoint, ``<dir>/iter_{rollout_id:07d}/``:
+Trainers write SHARDED checkpoints (``raygym.sharded_checkpoint``, format ``raygym-checkpoint/2``): every
+rank writes its own blocks with ``torch.distributed.checkpoint`` and the checkpoint loads on any world
+size. This module owns what every format shares: the ``iter_{rollout_id:07d}`` directories, the manifest
+(written LAST, temp file + rename on local disks, listing every file and its size), finding the newest
+complete checkpoint, reading one whole (:func:`load_checkpoint`) and the HF export (:func:`export_hf`).
+
+:func:`save_checkpoint` writes the single-process format ``raygym-checkpoint/1`` from FULL state dicts
+(what trainers did before sharding: gather to rank 0, then pickle), still loadable everywhere:
 
 - ``model.pt``: full (unsharded) model state dict in HF names, fp32 on CPU;
 - ``optimizer.pt``: full optimizer state keyed by parameter name (absent with ``no_save_optim``);
 - ``trainer_state.pt``: LR-schedule state and RNG states (torch, CUDA, python, numpy);
 - ``extra.json``: the caller's JSON state (data position, metrics step, ...);
 - ``hf/``: the HF ``config.json`` and tokenizer files, so ``export_hf`` needs nothing else;
-- ``manifest.json``: written LAST (temp file + rename on local disks), listing every file and its size.
+- ``manifest.json``: written last.
 
 A directory without a manifest, or whose files do not match it, is incomplete (a crash mid-save) and is
-skipped by ``latest_checkpoint`` with a warning. Sharded FSDP state is gathered to rank 0 before
-saving (``TrainerBackend.checkpoint_state``), so a checkpoint loads on any world size.
+skipped by ``latest_checkpoint`` with a warning.
 
 >>> import torch
 >>> path = save_checkpoint("memory://ckpt-doc", 3, model_state={"w": torch.ones(2)}, extra={"epoch": 1})
@@ -228,16 +234,22 @@ def latest_checkpoint(dir_url: str) -> CheckpointInfo | None:
 
 
 def load_checkpoint(path: str, *, load_optimizer: bool = True) -> LoadedCheckpoint:
-    """Read one checkpoint directory (a ``CheckpointInfo.path``). ``load_optimizer=False`` = ``no_load_optim``."""
+    """Read one checkpoint directory (a ``CheckpointInfo.path``) whole, in this process, whatever its
+    format and the world size that wrote it. ``load_optimizer=False`` = ``no_load_optim``."""
     fs, root = fsspec.core.url_to_fs(path)
     manifest = _read_manifest(fs, root)
     if manifest is None:
         raise ConfigError(f"load={path!r}: not a complete raygym checkpoint (missing or invalid {MANIFEST})")
+    with fs.open(_join(root, "extra.json"), "r") as f:
+        extra = json.load(f)
+    if manifest.get("format") != FORMAT:
+        from raygym.sharded_checkpoint import read_full_sharded
+
+        model, optim, trainer_state = read_full_sharded(path, load_optimizer=load_optimizer)
+        return LoadedCheckpoint(int(manifest["rollout_id"]), model, optim, trainer_state, extra, path)
     optim = None
     if load_optimizer and manifest.get("has_optimizer"):
         optim = _torch_load(fs, _join(root, "optimizer.pt"))
-    with fs.open(_join(root, "extra.json"), "r") as f:
-        extra = json.load(f)
     return LoadedCheckpoint(
         rollout_id=int(manifest["rollout_id"]),
         model_state=_torch_load(fs, _join(root, "model.pt")),
@@ -259,7 +271,9 @@ def write_hf_model(model_state: dict[str, torch.Tensor], hf_source: str, out_url
     """Write an HF model directory (safetensors + config + tokenizer) from a full HF-named state dict.
 
     ``hf_source`` is a local directory with ``config.json`` (and tokenizer files). ``out_url`` may be any
-    fsspec URL; the files are written locally first and then uploaded.
+    fsspec URL; the files are written locally first and then uploaded. The names may be those of the
+    in-memory transformers model (the torch backend's) or those of the checkpoint files (the Megatron
+    backend's: e.g. one tensor per MoE expert, which transformers 5 fuses in memory).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -267,11 +281,8 @@ def write_hf_model(model_state: dict[str, torch.Tensor], hf_source: str, out_url
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(model_state, strict=False, assign=True)
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise ConfigError(
-            f"export: the checkpoint lacks parameters {missing[:5]}; is it a checkpoint of this model?"
-        )
+    if any(p.is_meta for p in model.parameters()):
+        model = _load_file_named_state(model_state, hf_source)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     fs, root = fsspec.core.url_to_fs(out_url)
@@ -310,6 +321,24 @@ def checkpoint_to_export(checkpoint_dir: str) -> tuple[str, int]:
         raise ConfigError(f"checkpoint_dir={checkpoint_dir!r}: no complete raygym checkpoint found there; pass an "
                           "iter_* directory or the save directory of a run")
     return info.path, info.rollout_id
+
+
+def _load_file_named_state(model_state: dict[str, torch.Tensor], hf_source: str) -> Any:
+    """The transformers model of ``hf_source``'s config holding ``model_state`` given under the names of HF
+    checkpoint FILES: staged as a safetensors file and read back with ``from_pretrained``, which applies
+    the model's own name conversions (ConfigError naming what is missing)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="raygym-hfstage-") as staging:
+        Path(staging, "config.json").write_bytes(Path(hf_source, "config.json").read_bytes())
+        save_file({k: v.contiguous() for k, v in model_state.items()}, str(Path(staging, "model.safetensors")),
+                  metadata={"format": "pt"})
+        model, info = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32, output_loading_info=True)
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise ConfigError(f"export: the checkpoint lacks parameters {missing[:5]}; is it a checkpoint of this model?")
+    return model
 
 
 def export_hf(checkpoint_dir: str, out_dir: str) -> str:

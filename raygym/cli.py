@@ -23,7 +23,7 @@ import click
 from raygym.allocation import GpuAllocation
 from raygym.cli_after_training import eval_command, report_command, serve_command
 from raygym.cli_help import cli_help
-from raygym.config import Recipe, TrainConfig
+from raygym.config import Recipe, TrainConfig, megatron_installed
 from raygym.errors import ConfigError, RaygymError
 
 USAGE_ERROR = 2
@@ -138,6 +138,7 @@ def _print_plan(cfg: TrainConfig, cluster: str | None = None) -> None:
     if not cluster and not has_nvidia_gpu():
         _note(f"no NVIDIA GPU here: `raygym train` on this machine starts Ray with {alloc.total_gpus} logical "
               "GPUs, so placement behaves as on GPU nodes while the work runs on the CPU")
+    console.print(cfg.recipe.trainer_backend_summary(megatron_installed=megatron_installed()), markup=False)
 
 
 # ── commands ─────────────────────────────────────────────────────────────────────────────────────

@@ -52,6 +52,13 @@ __all__ = [
     "new_run_id",
 ]
 
+def megatron_installed() -> bool:
+    """Whether megatron-core can be imported in this environment (looked up, not imported)."""
+    import importlib.util
+
+    return importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+
+
 # A user function: the callable itself, or its import path "pkg.module:function" (or "pkg.module.function").
 CustomFunction = Callable[..., Any] | str | None
 
@@ -891,6 +898,79 @@ class Recipe(_Section):
         )
         return (self.actor_num_nodes * self.actor_num_gpus_per_node) // model_parallel
 
+    def model_parallel_requests(self) -> list[str]:
+        """``field=value`` of every model-parallel setting this recipe asks for (sizes > 1,
+        ``sequence_parallel``): only the Megatron trainer backend runs them.
+
+        >>> Recipe(tensor_model_parallel_size=2, sequence_parallel=True).model_parallel_requests()
+        ['tensor_model_parallel_size=2', 'sequence_parallel=True']
+        """
+        sizes = {
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
+            "expert_model_parallel_size": self.expert_model_parallel_size,
+        }
+        requests = [f"{name}={value}" for name, value in sizes.items() if value > 1]
+        if self.sequence_parallel:
+            requests.insert(1 if self.tensor_model_parallel_size > 1 else 0, "sequence_parallel=True")
+        return requests
+
+    def check_trainer_backend(self, *, megatron_installed: bool | None = None) -> str | None:
+        """ConfigError when no trainer backend can run this recipe; otherwise the backend it will run on
+        (``None``: ``trainer_backend="auto"`` without model parallelism, decided on the trainer's machine).
+
+        Pipeline and context parallelism are not run by any backend. Tensor, sequence and expert
+        parallelism need the Megatron backend: with ``trainer_backend="torch"`` they are refused, with
+        ``"auto"`` they select Megatron. ``megatron_installed`` (None = not checked): whether megatron-core
+        imports where the trainers run.
+        """
+        for name, value in (("pipeline_model_parallel_size", self.pipeline_model_parallel_size),
+                            ("context_parallel_size", self.context_parallel_size)):
+            if value > 1:
+                raise ConfigError(
+                    f"{name}={value}: no raygym trainer backend runs it yet (the Megatron backend has no pipeline "
+                    f"or context-parallel schedule); set {name}=1 and use tensor_model_parallel_size / "
+                    "expert_model_parallel_size (or more data-parallel GPUs) instead"
+                )
+        requests = self.model_parallel_requests()
+        if self.trainer_backend == "torch" and requests:
+            raise ConfigError(
+                f"trainer_backend='torch' with {', '.join(requests)}: the torch backend is data parallel (FSDP2) "
+                "only; set trainer_backend='megatron' (pip install 'raygym[megatron]') or set "
+                "tensor_model_parallel_size=1, expert_model_parallel_size=1 and sequence_parallel=False"
+            )
+        needs_megatron = self.trainer_backend == "megatron" or bool(requests)
+        if needs_megatron and megatron_installed is False:
+            why = f"trainer_backend={self.trainer_backend!r}" + (f" with {', '.join(requests)}" if requests else "")
+            raise ConfigError(
+                f"{why}: needs the Megatron backend, and megatron-core is not installed here; "
+                "pip install 'raygym[megatron]'"
+                + (", or set tensor_model_parallel_size=1, expert_model_parallel_size=1 and sequence_parallel=False "
+                   "to train with torch" if requests else ", or set trainer_backend='torch'")
+            )
+        if needs_megatron:
+            return "megatron"
+        return "torch" if self.trainer_backend == "torch" else None
+
+    def trainer_backend_summary(self, *, megatron_installed: bool) -> str:
+        """One line for ``raygym plan``: the trainer backend this recipe runs on and why.
+
+        >>> Recipe(tensor_model_parallel_size=2).trainer_backend_summary(megatron_installed=True)
+        'trainer backend: megatron (tensor_model_parallel_size=2 needs it)'
+        """
+        resolved = self.check_trainer_backend()
+        requests = self.model_parallel_requests()
+        if resolved is None:
+            text = "trainer backend: auto (megatron on a CUDA machine with megatron-core, else torch)"
+        elif requests and self.trainer_backend == "auto":
+            text = f"trainer backend: megatron ({', '.join(requests)} needs it)"
+        else:
+            text = f"trainer backend: {resolved}"
+        if resolved == "megatron" and not megatron_installed:
+            text += "; megatron-core is not installed here (pip install 'raygym[megatron]' where the trainers run)"
+        return text
+
     def validate_model_parallelism(self, model: ModelConfig) -> None:
         """Check the parallel sizes against the model's architecture, where the architecture is known."""
         ep, pp = self.expert_model_parallel_size, self.pipeline_model_parallel_size
@@ -1080,6 +1160,7 @@ class TrainConfig(BaseModel):
                 f"run_id={self.run_id!r}: use letters, digits, '.', '_' and '-' only (--run-id)"
             )
         self.recipe.validate_model_parallelism(self.model)
+        self.recipe.check_trainer_backend()
         return self
 
     @property

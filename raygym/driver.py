@@ -267,7 +267,7 @@ class Loop:
             train_metrics = ray.get(policy)[0]  # the critic trains on its own ranks meanwhile
             critic_metrics = ray.get(critic)[0] if critic else {}
         self.events.append(f"{step}:train")
-        return {**train_metrics, **critic_metrics, **_advantage_stats(batch)}
+        return {**train_metrics, **critic_metrics}
 
     def save(self, step: int, data_state: dict[str, Any]) -> None:
         extra = {"data_state": data_state, "weight_version": self.version, "run_id": self.cfg.run_id}
@@ -432,16 +432,22 @@ class Loop:
         return out
 
 
-def _advantage_stats(batch: Any) -> dict[str, float]:
-    import torch
+def _resolve_reference(cfg: Any, run_dir: Path) -> Any:
+    """``ref_load`` (else ``model.ref_checkpoint``) as a local HF model directory, before any Ray resource:
+    an unloadable one is a ConfigError, never a silent switch to the policy's weights."""
+    from raygym.builtin import resolve_model_path
 
-    if not batch.advantages:
-        return {}
-    flat = torch.cat([a.float() for a in batch.advantages]) if batch.advantages else torch.zeros(0)
-    if flat.numel() == 0:
-        return {}
-    return {"train/adv_mean": flat.mean().item(), "train/adv_std": flat.std().item() if flat.numel() > 1 else 0.0,
-            "train/adv_abs_max": flat.abs().max().item()}
+    source = cfg.recipe.ref_load or cfg.model.ref_checkpoint
+    if not source:
+        return cfg
+    path = resolve_model_path(source, run_dir / "cache", seed=0)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(
+            f"ref_load={source!r}: not a loadable HF model directory (no config.json there); give a local HF model "
+            "directory, an fsspec URL of one or 'builtin:tiny-qwen3', or leave it empty to use the initial policy "
+            "weights as the reference"
+        )
+    return cfg.model_copy(update={"recipe": cfg.recipe.model_copy(update={"ref_load": path})})
 
 
 @contextmanager
@@ -499,10 +505,16 @@ def train(cfg: Any) -> TrainResult:
     preflight_engine(recipe)  # the engine can run here and take the configured weight sync
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not os.environ.get("RAY_ADDRESS"):  # the trainers run here: their backend must be installed here
+        from raygym.config import megatron_installed
+
+        recipe.check_trainer_backend(megatron_installed=megatron_installed())
     for line in _banner(cfg, facts):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     model_path = resolve_model_path(cfg.model.hf_checkpoint, run_dir / "cache", seed=0)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_checkpoint": model_path})})
+    cfg = _resolve_reference(cfg, run_dir)
+    recipe = cfg.recipe
     (run_dir / "config.json").write_text(json.dumps(cfg.to_json_dict(), indent=2, default=str) + "\n")
 
     auth = ExitStack()

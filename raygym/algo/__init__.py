@@ -26,10 +26,12 @@ from raygym.algo.losses import (
     tis_weights,
     value_loss,
 )
+from raygym.algo.rl_loss import RLLossConfig, ratio_level_for, rl_loss
 
 __all__ = [
     "ESTIMATORS",
     "KL_KINDS",
+    "RLLossConfig",
     "AdvantageOutput",
     "aggregate",
     "balance_across_ranks",
@@ -46,6 +48,8 @@ __all__ = [
     "optimizer_step_slices",
     "pack_micro_batches",
     "policy_loss",
+    "ratio_level_for",
+    "rl_loss",
     "sequence_log_ratio",
     "tis_weights",
     "value_loss",

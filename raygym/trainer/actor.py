@@ -1,7 +1,8 @@
 """``TrainerActor``: one trainer rank, Ray-agnostic (the driver wraps it with ``ray.remote``).
 
-The backend is chosen by ``recipe.trainer_backend``: ``"torch"``, ``"megatron"``, or ``"auto"`` (Megatron
-when CUDA is present and ``megatron.core`` imports, else torch). Heavy imports happen in ``init()``.
+The backend is chosen by ``recipe.trainer_backend``: ``"torch"``, ``"megatron"``, or ``"auto"``
+(:func:`choose_backend`: Megatron when the recipe asks for model parallelism, or when CUDA is present and
+``megatron.core`` imports; else torch). Heavy imports happen in ``init()``.
 
 >>> # actor = TrainerActor(cfg); actor.init(); metrics = actor.train_step(batch, rollout_id=0)
 """
@@ -60,16 +61,29 @@ class PackedBatch:
         return TrainBatch(**self.values, **unpacked)
 
 
+def load_checkpoint_extra(path: str) -> dict[str, Any]:
+    """The ``extra.json`` of a checkpoint directory."""
+    import json
+
+    import fsspec
+
+    with fsspec.open(path.rstrip("/") + "/extra.json", "r") as f:
+        return json.load(f)
+
+
 def unpacked(batch: Any) -> Any:
     return batch.unpack() if isinstance(batch, PackedBatch) else batch
 
 
-def choose_backend(name: str) -> str:
-    """Resolve ``trainer_backend`` to ``"torch"`` or ``"megatron"``."""
+def choose_backend(name: str, model_parallel: bool = False) -> str:
+    """Resolve ``trainer_backend`` to ``"torch"`` or ``"megatron"``. ``model_parallel``: the recipe asks for
+    tensor/sequence/expert parallelism, which only Megatron runs, so ``"auto"`` is Megatron then."""
     if name not in BACKENDS:
         raise ConfigError(f"trainer_backend={name!r}: unknown backend; use one of {', '.join(BACKENDS)}")
     if name != "auto":
         return name
+    if model_parallel:
+        return "megatron"
     import torch
 
     if torch.cuda.is_available() and importlib.util.find_spec("megatron") is not None:
@@ -79,15 +93,23 @@ def choose_backend(name: str) -> str:
 
 
 def make_backend(name: str, settings: TrainerSettings, role: str) -> TrainerBackend:
+    """The backend of ``role`` (``recipe.check_trainer_backend`` first: never a silent switch to torch)."""
+    from raygym.config import Recipe, megatron_installed
+
+    recipe = settings.recipe
     if role == "critic":
         name = "torch"  # the PPO critic exists on the torch backend only (also beside a Megatron policy)
-    if choose_backend(name) == "megatron":
+    model_parallel = False
+    if role != "critic" and isinstance(recipe, Recipe):
+        recipe.check_trainer_backend(megatron_installed=megatron_installed())
+        model_parallel = bool(recipe.model_parallel_requests())
+    if choose_backend(name, model_parallel=model_parallel) == "megatron":
         try:
             from raygym.trainer.megatron_backend import MegatronBackend
         except ImportError as exc:
             raise ConfigError(
                 f"trainer_backend={name!r}: the Megatron backend could not be imported ({exc}); "
-                "install raygym[megatron] or set trainer_backend='torch'"
+                "pip install 'raygym[megatron]' or set trainer_backend='torch'"
             ) from exc
         return MegatronBackend(settings, role=role)
     if role == "critic":
@@ -167,35 +189,27 @@ class TrainerActor:
     def save_checkpoint(
         self, rollout_id: int, extra: dict[str, Any] | None = None, save_dir: str | None = None
     ) -> str:
-        """Save to ``save_dir`` (default ``recipe.save``); every rank calls, rank 0 writes. Returns the URL."""
-        from raygym.checkpoint import iter_dir_name, save_checkpoint
+        """Save a sharded checkpoint to ``save_dir`` (default ``recipe.save``): every rank calls and writes its
+        own shards (``raygym.sharded_checkpoint``). Returns the checkpoint's URL."""
+        from raygym.sharded_checkpoint import save_sharded
 
         target = save_dir or self._recipe_value("save", "")
         if not target:
             raise ConfigError("save='': no checkpoint directory; set save to a path or fsspec URL")
-        target = self._role_dir(target)
-        include_optim = not self._recipe_value("no_save_optim", False)
-        state = self.backend.checkpoint_state(include_optimizer=include_optim)
-        if state is None:  # not rank 0
-            return target.rstrip("/") + "/" + iter_dir_name(rollout_id)
-        return save_checkpoint(
-            target,
-            rollout_id,
-            model_state=state["model"],
-            optimizer_state=state["optimizer"],
-            trainer_state=state["trainer_state"],
-            extra=extra,
-            hf_source=self.backend.model_path,
-        )
+        backend = self.backend
+        state = backend.checkpoint_state(include_optimizer=not self._recipe_value("no_save_optim", False))
+        return save_sharded(self._role_dir(target), rollout_id, state, rank=backend.rank,
+                            world_size=backend.world_size, extra=extra, hf_source=backend.model_path)
 
     def load_checkpoint(self, load_dir: str | None = None, rollout_id: int | None = None) -> dict[str, Any] | None:
         """Resume from the newest complete checkpoint in ``load_dir`` (default ``recipe.load``), or from
         the one of step ``rollout_id`` (the critic follows the policy's step, so the two never mix steps).
+        A collective: every rank loads its own blocks, whatever the world size that saved them.
 
         Returns None when there is nothing to load, else ``{"rollout_id", "start_rollout_id", "extra",
         "path"}``; ``start_rollout_id`` follows the recipe's ``start_rollout_id`` (None = stored + 1).
         """
-        from raygym.checkpoint import list_checkpoints, load_checkpoint, resolve_start_rollout_id
+        from raygym.checkpoint import list_checkpoints, resolve_start_rollout_id
 
         source = load_dir or self._recipe_value("load", "")
         if not source:
@@ -213,18 +227,36 @@ class TrainerActor:
         if info is None:
             return None
         load_optim = not self._recipe_value("no_load_optim", False)
-        ckpt = load_checkpoint(info.path, load_optimizer=load_optim) if self.get_rank() == 0 else None
-        state = None
-        if ckpt is not None:
-            state = {
-                "model": ckpt.model_state,
-                "optimizer": ckpt.optimizer_state,
-                "trainer_state": ckpt.trainer_state,
-            }
-        self.backend.load_checkpoint_state(state, load_optimizer=load_optim)
-        extra = ckpt.extra if ckpt is not None else {}
+        extra = self._load_into_backend(info.path, load_optim)
         start = resolve_start_rollout_id(self._recipe_value("start_rollout_id", None), info.rollout_id)
         return {"rollout_id": info.rollout_id, "start_rollout_id": start, "extra": extra, "path": info.path}
+
+    def _load_into_backend(self, path: str, load_optimizer: bool) -> dict[str, Any]:
+        """Fill the backend's own state template from checkpoint ``path`` (sharded, or the older
+        single-file format) and hand it to the backend; returns the checkpoint's ``extra``."""
+        from raygym.checkpoint import load_checkpoint
+        from raygym.sharded_checkpoint import FORMAT_SHARDED, checkpoint_format, fill_from_full, load_sharded
+
+        backend = self.backend
+        template = backend.checkpoint_state(include_optimizer=load_optimizer)
+        if checkpoint_format(path) == FORMAT_SHARDED:
+            state = load_sharded(path, template, rank=backend.rank, world_size=backend.world_size,
+                                 load_optimizer=load_optimizer)
+            backend.load_checkpoint_state(state, load_optimizer=load_optimizer)
+            return load_checkpoint_extra(path)
+        ckpt = load_checkpoint(path, load_optimizer=load_optimizer)
+
+        def missing(name: str) -> None:
+            raise ConfigError(f"load={path!r}: the checkpoint has no {name}; is it a checkpoint of this model?")
+
+        fill_from_full(template.model, ckpt.model_state, missing)
+        if ckpt.optimizer_state is not None and template.optimizer is not None:
+            fill_from_full(template.optimizer, ckpt.optimizer_state, missing)
+        else:
+            template.optimizer = None
+        template.schedule, template.rng = ckpt.trainer_state["schedule"], ckpt.trainer_state["rng"]
+        backend.load_checkpoint_state(template, load_optimizer=load_optimizer)
+        return ckpt.extra
 
     def export_hf(self, path: str) -> str:
         """Write the current weights as an HF model directory (safetensors + config + tokenizer)."""

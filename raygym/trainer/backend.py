@@ -6,21 +6,28 @@ backend (``megatron_backend.py``) implement this contract:
 
 - ``init() -> dict``: load the HF checkpoint, build optimizer and schedule, join the torch.distributed
   world (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``); returns facts (rank, world, params).
-- ``compute_log_probs(batch) -> dict[str, list[Tensor]]``: for EVERY sample of ``batch`` (each rank gets
-  the whole batch, computes its share, and the results are gathered so every rank returns the same):
-  ``"log_probs"`` (policy), ``"ref_log_probs"`` when a reference model is used, ``"entropy"`` when asked,
-  ``"values"`` for a critic. 1-D float32 CPU tensors, one per response token. Logits are divided by
-  ``rollout_temperature`` before the log-softmax, as the rollout engine does.
-- ``train_step(batch, rollout_id) -> dict[str, float]``: one rollout's training. Every rank receives the
+- ``compute_log_probs(batch) -> LogProbResult``: for EVERY sample of ``batch`` (each rank gets the whole
+  batch, computes its share, and the results are gathered so every rank returns the same): ``log_probs``
+  (policy), ``ref_log_probs`` when a reference model is used (``use_kl_loss`` or ``kl_coef``; loaded from
+  ``ref_load``, else the initial policy weights), ``entropy`` when asked, ``values`` for a critic. 1-D
+  float32 CPU tensors, one per response token. Logits are divided by ``rollout_temperature`` before the
+  log-softmax, as the rollout engine does.
+- ``train_step(batch, rollout_id) -> TrainMetrics``: one rollout's training. Every rank receives the
   whole batch; it is cut into ``len(batch) // global_batch_size`` optimizer steps of consecutive samples,
-  each step's samples are spread over ranks, packed into micro-batches and accumulated. Metrics are
-  reduced over ranks (identical on every rank).
+  each step's samples are spread over ranks, packed into micro-batches and accumulated. The loss is
+  :func:`raygym.algo.rl_loss`; metrics are reduced over ranks (identical on every rank) and carry the
+  same keys on every backend (``raygym.trainer.contract.TrainMetrics``). Without ``old_log_probs`` the
+  backend computes them first, or, with one optimizer step per rollout (``single_pass_log_probs`` in the
+  facts of ``init``), takes its own detached training log-probs.
 - ``iter_hf_weights(dtype=None)``: yields ``(hf_name, tensor)`` for every weight in HF naming; a
   collective under sharding: every rank must iterate; rank 0 gets full tensors, other ranks may get None.
 - ``offload()`` / ``onload()``: move params, grads and optimizer state to host memory and back (colocate).
-- ``checkpoint_state(include_optimizer) -> dict | None`` / ``load_checkpoint_state(state, load_optimizer)``:
-  full (unsharded, HF-named) state on rank 0 (None elsewhere) for ``raygym.checkpoint``.
+- ``checkpoint_state(include_optimizer) -> CheckpointState``: THIS rank's blocks of the weights (fp32,
+  HF names and shapes), optimizer state, schedule position and RNG, for ``raygym.sharded_checkpoint`` (a
+  collective under sharding; nothing is gathered). ``load_checkpoint_state(state, load_optimizer)``
+  restores from such a state, once DCP has filled it in place.
 - ``save_hf(out_dir)``: write an HF model directory (rank 0 writes; every rank calls).
+- ``model_path``: the local HF directory of the policy's initial weights (config and tokenizer files).
 
 Hooks ``custom_megatron_before_log_prob_hook`` / ``custom_megatron_before_train_step_hook`` (callable or
 import path ``pkg.mod:fn``) are called as ``hook(args, rollout_id, batch)`` where ``args`` is the recipe
@@ -37,6 +44,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from raygym.config import load_callable
+from raygym.errors import ConfigError
+from raygym.trainer.contract import CheckpointState, LogProbResult, TrainMetrics
 
 
 @dataclass
@@ -107,6 +116,8 @@ class TrainerSettings:
             values["torch_recompute"] = bool(extra["torch_recompute"])
         if model is not None and getattr(model, "hf_checkpoint", None):
             values["hf_checkpoint"] = model.hf_checkpoint
+        if not values.get("ref_load") and model is not None and getattr(model, "ref_checkpoint", None):
+            values["ref_load"] = model.ref_checkpoint
         values.update(overrides)
         return cls(recipe=recipe, **values)
 
@@ -141,6 +152,39 @@ def call_hook(settings: TrainerSettings, field_name: str, rollout_id: int, batch
     return batch if result is None else result
 
 
+def reference_model_path(settings: TrainerSettings, policy_path: str) -> str:
+    """The local HF directory the reference model loads: ``ref_load`` when set (it must be a loadable HF
+    model directory: a ConfigError otherwise, never a silent switch to the policy), else the policy's own
+    initial weights ``policy_path``."""
+    if not settings.ref_load:
+        return policy_path
+    from raygym.builtin import resolve_model_path
+
+    path = resolve_model_path(settings.ref_load)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(
+            f"ref_load={settings.ref_load!r}: not a loadable HF model directory (no config.json there); give a "
+            "local HF model directory, an fsspec URL of one or 'builtin:tiny-qwen3', or leave ref_load empty to "
+            "use the initial policy weights as the reference"
+        )
+    return path
+
+
+def check_policy_batch(batch: Any, loss_config: Any) -> None:
+    """ConfigError before any training when ``batch`` lacks what the policy loss of ``loss_config`` needs."""
+    if batch.advantages is None:
+        raise ConfigError("train_step: the batch has no advantages; call batch.with_advantages(...) first")
+    if loss_config.use_kl_loss and batch.ref_log_probs is None:
+        raise ConfigError(
+            "use_kl_loss=True: the batch has no ref_log_probs; run compute_log_probs (on a trainer built with "
+            "use_kl_loss, which loads the reference model) first"
+        )
+    if loss_config.use_tis and batch.rollout_log_probs is None:
+        raise ConfigError(
+            "use_tis=True: the samples carry no rollout log-probs; the engine must return them (or pass --no-use-tis)"
+        )
+
+
 def dist_env() -> tuple[int, int, int]:
     """(rank, world size, local rank) from the torchrun-style environment (defaults 0, 1, 0)."""
     rank = int(os.environ.get("RANK", "0"))
@@ -155,15 +199,16 @@ class TrainerBackend(ABC):
     settings: TrainerSettings
     rank: int = 0
     world_size: int = 1
+    model_path: str = ""
 
     @abstractmethod
     def init(self) -> dict[str, Any]: ...
 
     @abstractmethod
-    def compute_log_probs(self, batch: Any, rollout_id: int = -1) -> dict[str, list]: ...
+    def compute_log_probs(self, batch: Any, rollout_id: int = -1) -> LogProbResult: ...
 
     @abstractmethod
-    def train_step(self, batch: Any, rollout_id: int) -> dict[str, float]: ...
+    def train_step(self, batch: Any, rollout_id: int) -> TrainMetrics: ...
 
     @abstractmethod
     def iter_hf_weights(self, dtype: Any = None) -> Iterator[tuple[str, Any]]: ...
@@ -175,10 +220,10 @@ class TrainerBackend(ABC):
     def onload(self) -> None: ...
 
     @abstractmethod
-    def checkpoint_state(self, include_optimizer: bool) -> dict[str, Any] | None: ...
+    def checkpoint_state(self, include_optimizer: bool) -> CheckpointState: ...
 
     @abstractmethod
-    def load_checkpoint_state(self, state: dict[str, Any] | None, load_optimizer: bool) -> None: ...
+    def load_checkpoint_state(self, state: CheckpointState, load_optimizer: bool = True) -> None: ...
 
     @abstractmethod
     def save_hf(self, out_dir: str) -> str: ...

@@ -31,6 +31,7 @@ from raygym.algo.losses import aggregate, value_loss
 from raygym.errors import ConfigError
 from raygym.trainer.backend import TrainerSettings, call_hook
 from raygym.trainer.batch import TrainBatch
+from raygym.trainer.contract import LogProbResult
 from raygym.trainer.torch_backend import TorchBackend, enable_activation_checkpointing, pad_stack
 
 VALUE_HEAD_PREFIX = "value_head."
@@ -131,7 +132,6 @@ class TorchCriticBackend(TorchBackend):
 
     ROLE = "critic"
     METRIC_PREFIX = "critic"
-    SUMMED_METRICS = CRITIC_METRICS
 
     def __init__(self, settings: TrainerSettings, role: str = "critic") -> None:
         super().__init__(settings, role=role)
@@ -162,19 +162,19 @@ class TorchCriticBackend(TorchBackend):
 
     # ---- values --------------------------------------------------------------------------------------
     @torch.no_grad()
-    def compute_values(self, batch: TrainBatch, rollout_id: int = -1) -> dict[str, list[torch.Tensor]]:
-        """``{"values": [1-D float32 CPU tensor per sample, one per response token]}`` for the whole batch.
+    def compute_values(self, batch: TrainBatch, rollout_id: int = -1) -> LogProbResult:
+        """``values``: a 1-D float32 CPU tensor per sample, one per response token, for the whole batch.
 
         Each rank computes its contiguous share; the result is gathered so every rank returns all of it."""
         batch = call_hook(self.settings, "custom_megatron_before_log_prob_hook", rollout_id, batch)
         local = batch.select(contiguous_shard(len(batch), self.rank, self.world_size))
         rows = self._response_rows(self.model, local, lambda mb: {"values": self._response_values(mb)})
-        return self._gather_samples({"values": rows.get("values", [])})
+        return LogProbResult(**self._gather_samples({"values": rows.get("values", [])}))
 
     def compute_log_probs(
         self, batch: TrainBatch, rollout_id: int = -1, *, with_entropy: bool = False
-    ) -> dict[str, list[torch.Tensor]]:
-        """The backend contract's name for the forward pass: a critic returns ``{"values": ...}``."""
+    ) -> LogProbResult:
+        """The backend contract's name for the forward pass: a critic returns ``values`` only."""
         return self.compute_values(batch, rollout_id)
 
     # ---- training ----------------------------------------------------------------------------------
@@ -214,12 +214,12 @@ class TorchCriticBackend(TorchBackend):
         }
         return loss, parts
 
-    def _used_metrics(self, parts: dict[str, float]) -> dict[str, float]:
+    def _metric_names(self) -> tuple[str, ...]:
         if value_clip_range(self.settings) is None:
-            parts.pop("value_clipfrac")
-        return parts
+            return tuple(m for m in CRITIC_METRICS if m != "value_clipfrac")
+        return CRITIC_METRICS
 
-    def _role_metrics(self, batch: TrainBatch, metrics: dict[str, float]) -> dict[str, float]:
+    def _role_metrics(self, batch: TrainBatch) -> dict[str, float]:
         """Mean return over the trained tokens of the whole batch (what the values chase)."""
         trained = [r.float()[m > 0] for r, m in zip(batch.returns, batch.loss_masks, strict=True)]
         flat = torch.cat(trained) if trained else torch.zeros(0)

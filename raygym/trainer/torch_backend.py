@@ -9,8 +9,10 @@
   passes (the count is all-reduced and short ranks run zero-weight dummy passes), as FSDP requires.
 - Activation checkpointing (HF ``gradient_checkpointing_enable``) only when ``torch_recompute`` is set:
   the recipe's ``recompute_*`` defaults are Megatron's and would slow small torch runs for nothing.
-- Checkpoints: full state gathered to rank 0 (``get_model_state_dict(full_state_dict=True)``) and
-  loaded with ``broadcast_from_rank0``; resume is bit-identical on CPU.
+- Loss: :func:`raygym.algo.rl_loss` (the one RL loss, shared with the Megatron backend).
+- Checkpoints: each rank's own FSDP2 shards (DTensors of ``get_model_state_dict`` /
+  ``get_optimizer_state_dict``), written by ``raygym.sharded_checkpoint`` with
+  ``torch.distributed.checkpoint``; they load on any world size; resume is bit-identical on CPU.
 - Roles: ``TorchBackend`` trains the policy (``role="actor"``). The PPO critic
   (``raygym.trainer.critic.TorchCriticBackend``) subclasses it and overrides the ``_build_model``,
   ``_forward``, ``_micro_batch_loss`` family of hooks; sharding, micro-batching, gradient accumulation,
@@ -35,15 +37,21 @@ from raygym.algo.batching import (
     optimizer_step_slices,
     pack_micro_batches,
 )
-from raygym.algo.losses import aggregate, entropy_from_logits, kl_loss, policy_loss, tis_weights
+from raygym.algo.losses import entropy_from_logits
+from raygym.algo.rl_loss import RLLossConfig, rl_loss
 from raygym.builtin import resolve_model_path
 from raygym.errors import ConfigError
-from raygym.trainer.backend import TrainerBackend, TrainerSettings, call_hook, dist_env
+from raygym.trainer.backend import (
+    TrainerBackend,
+    TrainerSettings,
+    call_hook,
+    check_policy_batch,
+    dist_env,
+    reference_model_path,
+)
 from raygym.trainer.batch import TrainBatch
+from raygym.trainer.contract import CheckpointState, LogProbResult, advantage_stats, step_metrics_summary
 from raygym.trainer.optim import LrSchedule, build_optimizer, split_frozen
-
-RATIO_LEVEL = {"gspo": "sequence"}
-SUMMED_METRICS = ("pg_loss", "kl_loss", "entropy", "clipfrac", "approx_kl", "dual_clipfrac", "tis_weight")
 
 
 def reuses_current_log_probs(cfg: Any) -> bool:
@@ -126,7 +134,6 @@ class TorchBackend(TrainerBackend):
 
     ROLE = "actor"
     METRIC_PREFIX = "train"  # metrics are "train/<name>"; perf keys "perf/train_*"
-    SUMMED_METRICS: tuple[str, ...] = SUMMED_METRICS
 
     def __init__(self, settings: TrainerSettings, role: str = "actor") -> None:
         if role != self.ROLE:
@@ -144,6 +151,7 @@ class TorchBackend(TrainerBackend):
         self.frozen: list[str] = []
         self.offloaded = False
         self.single_pass = False  # train_step may use its own detached log-probs as the old ones
+        self.loss_config = RLLossConfig.from_settings(settings)
 
     # ---- setup -------------------------------------------------------------------------------------
     def init(self) -> dict[str, Any]:
@@ -192,12 +200,7 @@ class TorchBackend(TrainerBackend):
             style=s.lr_decay_style,
         )
         if s.uses_reference and self.ROLE == "actor":
-            ref_path = (
-                s.ref_load
-                if s.ref_load and os.path.isfile(os.path.join(s.ref_load, "config.json"))
-                else self.model_path
-            )
-            self.ref_model = self._load_model(ref_path, trainable=False)
+            self.ref_model = self._load_model(reference_model_path(s, self.model_path), trainable=False)
             self._shard(self.ref_model)
             self._park_ref()
         self.single_pass = reuses_current_log_probs(s) and not has_active_dropout(self.model)
@@ -319,7 +322,7 @@ class TorchBackend(TrainerBackend):
     @torch.no_grad()
     def compute_log_probs(
         self, batch: TrainBatch, rollout_id: int = -1, *, with_entropy: bool = False
-    ) -> dict[str, list[torch.Tensor]]:
+    ) -> LogProbResult:
         batch = call_hook(self.settings, "custom_megatron_before_log_prob_hook", rollout_id, batch)
         local = batch.select(contiguous_shard(len(batch), self.rank, self.world_size))
         log_probs, entropy = self._log_probs_of(self.model, local, with_entropy)
@@ -330,7 +333,7 @@ class TorchBackend(TrainerBackend):
             self._unpark_ref()
             result["ref_log_probs"] = self._log_probs_of(self.ref_model, local, False)[0]
             self._park_ref()
-        return self._gather_samples(result)
+        return LogProbResult(**self._gather_samples(result))
 
     def _gather_samples(self, result: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
         """Every rank's contiguous share concatenated in rank order, so every rank returns the whole batch."""
@@ -385,53 +388,35 @@ class TorchBackend(TrainerBackend):
             )
         batch = call_hook(s, "custom_megatron_before_train_step_hook", rollout_id, batch)
         self.model.train()
-        totals: dict[str, float] = {}
-        grad_norms, lrs = [], []
-        steps = optimizer_step_slices(len(batch), s.global_batch_size)
-        for step_indices in steps:
-            step_batch = batch.select(step_indices)
-            parts, grad_norm, lr = self._optimizer_step(step_batch)
-            for k, v in parts.items():
-                totals[k] = totals.get(k, 0.0) + v
+        per_step, grad_norms, lrs = [], [], []
+        for step_indices in optimizer_step_slices(len(batch), s.global_batch_size):
+            parts, grad_norm, lr = self._optimizer_step(batch.select(step_indices))
+            per_step.append(parts)
             grad_norms.append(grad_norm)
             lrs.append(lr)
-        prefix = self.METRIC_PREFIX
-        metrics = {f"{prefix}/{k}": v / len(steps) for k, v in totals.items()}
-        metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics[f"{prefix}/lr"] = lrs[-1]
-        metrics[f"{prefix}/optimizer_steps"] = float(len(steps))
-        metrics.update(self._role_metrics(batch, metrics))
-        seconds = time.perf_counter() - t0
-        tokens = float(sum(batch.total_lengths()))
-        metrics[f"perf/{prefix}_tokens"] = tokens
-        metrics[f"perf/{prefix}_step_time"] = seconds
-        metrics[f"perf/{prefix}_tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
+        metrics = step_metrics_summary(
+            per_step, grad_norms, lrs, prefix=self.METRIC_PREFIX, tokens=float(sum(batch.total_lengths())),
+            seconds=time.perf_counter() - t0,
+        )
+        metrics.update(self._role_metrics(batch))
         return metrics
 
     def _prepare_train_batch(self, batch: TrainBatch, rollout_id: int) -> TrainBatch:
         """Check the batch carries what this role's loss needs; fill in what can be computed here."""
         s = self.settings
-        if batch.advantages is None:
-            raise ConfigError(
-                "train_step: the batch has no advantages; call batch.with_advantages(...) first"
-            )
         one_step = len(optimizer_step_slices(len(batch), s.global_batch_size)) == 1
-        if batch.old_log_probs is None and not (self.single_pass and one_step):
+        if batch.old_log_probs is None and batch.advantages is not None and not (self.single_pass and one_step):
             batch = batch.with_log_probs(self.compute_log_probs(batch, rollout_id))
-        if s.uses_reference and s.use_kl_loss and batch.ref_log_probs is None:
-            raise ConfigError("use_kl_loss=True: the batch has no ref_log_probs; run compute_log_probs first")
+        check_policy_batch(batch, self.loss_config)
         return batch
 
-    def _role_metrics(self, batch: TrainBatch, metrics: dict[str, float]) -> dict[str, float]:
-        """Metrics derived from the step-averaged ones: the total loss and the advantage stats."""
-        s = self.settings
-        out = {
-            "train/loss": metrics.get("train/pg_loss", 0.0)
-            + s.kl_loss_coef * metrics.get("train/kl_loss", 0.0) * float(s.use_kl_loss)
-            - s.entropy_coef * metrics.get("train/entropy", 0.0)
-        }
-        out.update(advantage_stats(batch))
-        return out
+    def _metric_names(self) -> tuple[str, ...]:
+        """The summed metrics of ``_micro_batch_loss``, in all-reduce order."""
+        return self.loss_config.metric_names()
+
+    def _role_metrics(self, batch: TrainBatch) -> dict[str, float]:
+        """Metrics of the whole batch beside the loss's: the advantage statistics over trained tokens."""
+        return advantage_stats(batch.advantages, batch.loss_masks)
 
     def _optimizer_step(self, step_batch: TrainBatch) -> tuple[dict[str, float], float, float]:
         """One optimizer step over ``step_batch`` (global), gradients accumulated over micro-batches.
@@ -445,7 +430,8 @@ class TorchBackend(TrainerBackend):
         local = step_batch.shard(self.rank, self.world_size, balance=s.balance_data)
         plan = self._micro_batches(local)
         n_micro = self._max_over_ranks(len(plan))
-        sums = {k: torch.zeros((), dtype=torch.float64) for k in self.SUMMED_METRICS}
+        names = self._metric_names()
+        sums = {k: torch.zeros((), dtype=torch.float64) for k in names}
         for k in range(n_micro):
             last = k == n_micro - 1
             if self.world_size > 1:
@@ -462,68 +448,29 @@ class TorchBackend(TrainerBackend):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.advance()
-        vec = torch.stack([sums[k] for k in self.SUMMED_METRICS])
+        vec = torch.stack([sums[k] for k in names])
         if self.world_size > 1:
             vec = vec.to(self.device)
             dist.all_reduce(vec)
-        parts = {k: float(v) for k, v in zip(self.SUMMED_METRICS, vec.cpu(), strict=True)}
-        return self._used_metrics(parts), grad_norm, lr
-
-    def _used_metrics(self, parts: dict[str, float]) -> dict[str, float]:
-        """Drop the summed metrics of features that are off."""
-        s = self.settings
-        if not s.use_tis:
-            parts.pop("tis_weight")
-        if s.eps_clip_c is None:
-            parts.pop("dual_clipfrac")
-        if not s.use_kl_loss:
-            parts.pop("kl_loss")
-        return parts
+        return {k: float(v) for k, v in zip(names, vec.cpu(), strict=True)}, grad_norm, lr
 
     def _micro_batch_loss(
         self, mb: TrainBatch, per_token: bool, num_samples: int, num_tokens: int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        s = self.settings
+        cfg = self.loss_config
         logp, entropy = self._response_log_probs(self.model, mb, with_entropy=True)
+        if not cfg.entropy_needs_grad:
+            entropy = entropy.detach()
         width = logp.shape[1]
-        dev = self.device
 
-        def padded(rows: list[torch.Tensor]) -> torch.Tensor:
-            return pad_stack([r.float() for r in rows], width).to(dev)
+        def padded(rows: list[torch.Tensor] | None) -> torch.Tensor | None:
+            return None if rows is None else pad_stack([r.float() for r in rows], width).to(self.device)
 
-        mask = padded(mb.loss_masks)
-        # old_log_probs None: the single-pass case of reuses_current_log_probs (checked in _prepare_train_batch)
-        old = logp.detach() if mb.old_log_probs is None else padded(mb.old_log_probs)
-        agg = {"per_token": per_token, "num_samples": num_samples, "num_tokens": num_tokens}
-        tis = None
-        if s.use_tis:
-            if mb.rollout_log_probs is None:
-                raise ConfigError(
-                    "use_tis=True: the samples carry no rollout log-probs; the engine must return them"
-                )
-            tis = tis_weights(old, padded(mb.rollout_log_probs), s.tis_clip)
-        pg, metrics = policy_loss(
-            logp,
-            old,
-            padded(mb.advantages),
-            mask,
-            eps_clip=s.eps_clip,
-            eps_clip_high=s.eps_clip_high,
-            eps_clip_c=s.eps_clip_c,
-            tis_weights=tis,
-            ratio_level=RATIO_LEVEL.get(s.advantage_estimator, "token"),
-            **agg,
+        return rl_loss(
+            logp, padded(mb.old_log_probs), padded(mb.advantages), padded(mb.loss_masks), entropy=entropy,
+            config=cfg, ref_log_probs=padded(mb.ref_log_probs), rollout_log_probs=padded(mb.rollout_log_probs),
+            num_samples=num_samples, num_tokens=num_tokens,
         )
-        ent = aggregate(entropy, mask, **agg)
-        loss = pg - s.entropy_coef * ent
-        parts = {"pg_loss": pg.detach(), "entropy": ent.detach(), **metrics}
-        if s.use_kl_loss:
-            kl = kl_loss(logp, padded(mb.ref_log_probs), mask, s.kl_loss_type, **agg)
-            loss = loss + s.kl_loss_coef * kl
-            parts["kl_loss"] = kl.detach()
-        if tis is not None:
-            parts["tis_weight"] = aggregate(tis, mask, **agg)
-        return loss, parts
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -581,60 +528,28 @@ class TorchBackend(TrainerBackend):
         if self.ref_model is not None and self.device.type == "cuda":
             self.ref_model.to(self.device)
 
-    def checkpoint_state(self, include_optimizer: bool) -> dict[str, Any] | None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
+    def checkpoint_state(self, include_optimizer: bool) -> CheckpointState:
+        """This rank's shards: DTensors under FSDP2, plain tensors on one rank (see ``CheckpointState``)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(self.model, options=opts)
-        optim_state = (
-            get_optimizer_state_dict(self.model, self.optimizer, options=opts) if include_optimizer else None
-        )
-        if self.rank != 0:
-            return None
         from raygym.checkpoint import capture_rng_state
 
-        return {
-            "model": {k: v.detach().clone() for k, v in model_state.items()},
-            "optimizer": optim_state,
-            "trainer_state": {"schedule": self.schedule.state_dict(), "rng": capture_rng_state()},
-        }
+        model = get_model_state_dict(self.model)
+        optim = get_optimizer_state_dict(self.model, self.optimizer) if include_optimizer else None
+        return CheckpointState(model=model, optimizer=optim, schedule=self.schedule.state_dict(),
+                               rng=capture_rng_state())
 
-    def load_checkpoint_state(self, state: dict[str, Any] | None, load_optimizer: bool) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+    def load_checkpoint_state(self, state: CheckpointState, load_optimizer: bool = True) -> None:
+        """Restore from ``state``: a ``checkpoint_state`` template that ``raygym.sharded_checkpoint`` filled."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        sharded = self.world_size > 1
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded)
-        mine = state if (self.rank == 0 or not sharded) else None
-        # broadcast_from_rank0 consumes the dict it is given: hand it copies
-        model_state = {k: v.clone() for k, v in mine["model"].items()} if mine else {}
-        set_model_state_dict(self.model, model_state, options=opts)
-        has_optim = self._broadcast_flag(bool(mine and mine.get("optimizer") is not None))
-        if load_optimizer and has_optim:
-            optim_state = mine["optimizer"] if mine else {}
-            set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=opts)
-        trainer_state = self._broadcast_object(mine["trainer_state"] if mine else None)
-        self.schedule.load_state_dict(trainer_state["schedule"])
         from raygym.checkpoint import restore_rng_state
 
-        restore_rng_state(trainer_state["rng"])
-
-    def _broadcast_object(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def _broadcast_flag(self, flag: bool) -> bool:
-        return bool(self._broadcast_object(flag))
+        set_model_state_dict(self.model, state.model)
+        if load_optimizer and state.optimizer is not None:
+            set_optimizer_state_dict(self.model, self.optimizer, state.optimizer)
+        self.schedule.load_state_dict(state.schedule)
+        restore_rng_state(state.rng)
 
     def save_hf(self, out_dir: str) -> str:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -652,20 +567,3 @@ class TorchBackend(TrainerBackend):
         from raygym.checkpoint import write_hf_model
 
         write_hf_model(state, self.model_path, out_dir)
-
-
-def advantage_stats(batch: TrainBatch) -> dict[str, float]:
-    """Mean / std / min / max of the advantages over trained tokens of the whole batch."""
-    vals = (
-        torch.cat([a.float()[m > 0] for a, m in zip(batch.advantages, batch.loss_masks, strict=True)])
-        if len(batch)
-        else torch.zeros(0)
-    )
-    if vals.numel() == 0:
-        return {}
-    return {
-        "train/adv_mean": float(vals.mean()),
-        "train/adv_std": float(vals.std(unbiased=False)),
-        "train/adv_min": float(vals.min()),
-        "train/adv_max": float(vals.max()),
-    }

@@ -305,6 +305,102 @@ def megatron_to_hf(pm: ParamMap, shards: Sequence[torch.Tensor], shape: ModelSha
     return [(pm.hf[0], full.contiguous())]
 
 
+@dataclass(frozen=True)
+class HfBlock:
+    """Where one block of a Megatron rank's parameter lies inside an HF tensor: ``sizes`` at ``offsets`` of
+    a tensor of ``global_shape`` (what a sharded checkpoint stores; see ``raygym.trainer.tensor_shard``)."""
+
+    hf_name: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+
+def hf_blocks(
+    pm: ParamMap, local_shape: Sequence[int], shape: ModelShape, *, tp_rank: int = 0, tp_size: int = 1
+) -> list[HfBlock]:
+    """The HF blocks (one per HF tensor it holds a part of) of tensor-parallel shard ``tp_rank`` of ``pm``,
+    whose local shape is ``local_shape``. A fused QKV shard holds whole query groups: one row block of each
+    of q, k and v; a gate/up shard one row block of each; a vocabulary shard the rows it has before the
+    padding (possibly none); a replicated tensor all of it.
+
+    >>> shape = ModelShape(num_layers=1, hidden_size=8, num_attention_heads=4, num_key_value_heads=2,
+    ...                    head_dim=2, intermediate_size=6, vocab_size=9)
+    >>> pm = param_maps_by_name(shape)["decoder.layers.0.self_attention.linear_qkv.weight"]
+    >>> [(b.hf_name.split(".")[-2], b.offsets, b.sizes) for b in hf_blocks(pm, (8, 8), shape, tp_rank=1, tp_size=2)]
+    [('q_proj', (4, 0), (4, 8)), ('k_proj', (2, 0), (2, 8)), ('v_proj', (2, 0), (2, 8))]
+    """
+    local = tuple(int(n) for n in local_shape)
+    rest = local[1:]
+    zeros = (0,) * len(local)
+    if pm.tp_dim is None:
+        return [HfBlock(pm.hf[0], zeros, local, local)]
+    if pm.kind == "qkv":
+        groups, d = shape.num_key_value_heads // tp_size, shape.head_dim
+        q_rows = shape.num_attention_heads // shape.num_key_value_heads * d
+        q = HfBlock(pm.hf[0], (tp_rank * groups * q_rows, *(0,) * len(rest)), (groups * q_rows, *rest),
+                    (shape.num_attention_heads * d, *rest))
+        kv = [HfBlock(name, (tp_rank * groups * d, *(0,) * len(rest)), (groups * d, *rest),
+                      (shape.num_key_value_heads * d, *rest)) for name in pm.hf[1:]]
+        return [q, *kv]
+    if pm.kind == "gate_up":
+        half = local[0] // 2
+        return [HfBlock(name, (tp_rank * half, *(0,) * len(rest)), (half, *rest), (half * tp_size, *rest))
+                for name in pm.hf]
+    dim = pm.tp_dim
+    offsets = list(zeros)
+    offsets[dim] = tp_rank * local[dim]
+    global_shape = list(local)
+    global_shape[dim] = local[dim] * tp_size
+    sizes = list(local)
+    if pm.vocab:
+        global_shape[0] = shape.vocab_size
+        sizes[0] = max(0, min(local[0], shape.vocab_size - offsets[0]))
+        if sizes[0] == 0:
+            return []
+    return [HfBlock(pm.hf[0], tuple(offsets), tuple(sizes), tuple(global_shape))]
+
+
+def split_hf_blocks(
+    pm: ParamMap, local: torch.Tensor, shape: ModelShape, *, tp_rank: int = 0, tp_size: int = 1
+) -> list[torch.Tensor]:
+    """The tensors of :func:`hf_blocks` (same order) cut from the local Megatron tensor ``local``."""
+    blocks = hf_blocks(pm, local.shape, shape, tp_rank=tp_rank, tp_size=tp_size)
+    if pm.tp_dim is None:
+        return [local]
+    rest = tuple(local.shape[1:])
+    if pm.kind == "qkv":
+        groups, d = shape.num_key_value_heads // tp_size, shape.head_dim
+        q_rows = shape.num_attention_heads // shape.num_key_value_heads * d
+        per_group = local.reshape(groups, q_rows + 2 * d, *rest)
+        q, k, v = torch.split(per_group, [q_rows, d, d], dim=1)
+        return [t.reshape(-1, *rest) for t in (q, k, v)]
+    if pm.kind == "gate_up":
+        return list(local.chunk(2, dim=0))
+    return [local[: b.sizes[0]] if pm.vocab else local for b in blocks]
+
+
+def join_hf_blocks(
+    pm: ParamMap, blocks: Sequence[torch.Tensor], local_shape: Sequence[int], shape: ModelShape, *,
+    tp_rank: int = 0, tp_size: int = 1,
+) -> torch.Tensor:
+    """Inverse of :func:`split_hf_blocks`: the local Megatron tensor (of ``local_shape``) from its HF blocks;
+    vocabulary padding rows are zero."""
+    local_shape = tuple(int(n) for n in local_shape)
+    rest = local_shape[1:]
+    if pm.kind == "qkv":
+        groups = shape.num_key_value_heads // tp_size
+        parts = [b.reshape(groups, -1, *rest) for b in blocks]
+        return torch.cat(parts, dim=1).reshape(local_shape)
+    if pm.kind == "gate_up":
+        return torch.cat(list(blocks), dim=0)
+    if pm.vocab:
+        kept = blocks[0] if blocks else torch.zeros(0, *rest)
+        pad = local_shape[0] - kept.shape[0]
+        return torch.cat([kept, kept.new_zeros(pad, *rest)], dim=0) if pad else kept
+    return blocks[0]
+
+
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"\.local_experts\.(\d+)\.")
 

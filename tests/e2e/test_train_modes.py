@@ -94,11 +94,10 @@ def released_during_training(probe_dir: str):
 
 
 def checkpoint_checksums(checkpoint: str) -> dict[str, str]:
-    import torch
-
+    from raygym.checkpoint import load_checkpoint
     from raygym.weightsync.codec import checksum
 
-    state = torch.load(Path(checkpoint) / "model.pt", map_location="cpu", weights_only=True)
+    state = load_checkpoint(checkpoint, load_optimizer=False).model_state
     return {name: checksum(t.contiguous()) for name, t in state.items()}
 
 

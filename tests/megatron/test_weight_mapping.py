@@ -181,3 +181,30 @@ def test_torch_backend_mapping_is_the_identity_minus_wrappers():
     for name in model.state_dict():
         assert hf_name_from_torch(name) == name
         assert hf_name_from_torch("_orig_mod." + name.replace("layers.0.", "layers.0._checkpoint_wrapped_module.")) == name
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hf_blocks_cover_every_hf_tensor_once_and_join_back(kind, tp):
+    """Checkpoint blocks: each TP shard cut into blocks of the HF tensors (split) equals the HF tensor at the
+    block's offsets; the blocks of all TP ranks tile every HF tensor exactly once (vocabulary padding left
+    out); joining the blocks rebuilds the shard (padding rows zero)."""
+    from raygym.trainer.weight_mapping import hf_blocks, join_hf_blocks, split_hf_blocks
+
+    shape = ModelShape.from_hf_config(DENSE if kind == "dense" else MOE)
+    hf = _random_hf_state(shape, seed=3)
+    covered = {name: torch.zeros(t.shape, dtype=torch.int64) for name, t in hf.items()}
+    for pm in param_maps(shape):
+        for rank in range(tp):
+            local = hf_to_megatron(pm, [hf[n] for n in pm.hf], shape, tp_rank=rank, tp_size=tp)
+            blocks = hf_blocks(pm, local.shape, shape, tp_rank=rank, tp_size=tp)
+            pieces = split_hf_blocks(pm, local, shape, tp_rank=rank, tp_size=tp)
+            assert len(blocks) == len(pieces) >= 1, pm.megatron
+            for block, piece in zip(blocks, pieces, strict=True):
+                assert block.global_shape == tuple(hf[block.hf_name].shape) == tuple(covered[block.hf_name].shape)
+                region = tuple(slice(o, o + n) for o, n in zip(block.offsets, block.sizes, strict=True))
+                assert torch.equal(hf[block.hf_name][region], piece), (pm.megatron, rank)
+                if pm.tp_dim is not None or rank == 0:  # replicated tensors: every rank holds the same block
+                    covered[block.hf_name][region] += 1
+            assert torch.equal(join_hf_blocks(pm, pieces, local.shape, shape, tp_rank=rank, tp_size=tp), local)
+    assert all(bool((c == 1).all()) for c in covered.values()), [n for n, c in covered.items() if not (c == 1).all()]

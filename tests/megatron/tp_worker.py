@@ -9,14 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import warnings
 
-warnings.filterwarnings("ignore")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import conftest as megatron_conftest  # noqa: E402
-import torch  # noqa: E402
+warnings.filterwarnings("ignore")
 
 
 def sample_batch(vocab: int, seed: int):
@@ -100,7 +97,6 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--train", action="store_true")
     args = ap.parse_args()
-    megatron_conftest.apply_megatron_cpu_patches()
     torch.manual_seed(0)
     results = {}
     for spec in args.model:

@@ -79,6 +79,11 @@ def test_log_probs_match_a_direct_forward_at_temperature(tiny_model_path):
 
 
 def _fsdp_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from raygym.checkpoint import load_checkpoint
+    from raygym.sharded_checkpoint import load_sharded, save_sharded
+
     join_local_world(rank, world, port)
     backend = TorchBackend(
         settings_for(path, lr=1e-4, max_tokens_per_gpu=30, balance_data=True, dist_timeout_s=120)
@@ -86,16 +91,23 @@ def _fsdp_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
     backend.init()
     metrics = backend.train_step(prepared(backend, make_batch(seed=3)), rollout_id=0)
     weights = {n: t for n, t in backend.iter_hf_weights()}
-    # gather the sharded state for a checkpoint, then load it back through broadcast_from_rank0
+    # each rank's own FSDP shards (nothing gathered) go into a sharded checkpoint and come back
     state = backend.checkpoint_state(include_optimizer=True)
-    backend.load_checkpoint_state(state, load_optimizer=True)
+    assert all(isinstance(t, DTensor) and t.to_local().shape[0] < t.shape[0] for t in state.model.values()
+               if t.dim() == 2)
+    assert state.optimizer["state"].keys() >= {"lm_head.weight"}
+    url = save_sharded(os.path.dirname(out) + "/ckpt", 0, state, rank=rank, world_size=world)
+    for t in backend.model.parameters():
+        torch.nn.init.zeros_(t.data.to_local() if isinstance(t.data, DTensor) else t.data)
+    template = backend.checkpoint_state(include_optimizer=True)
+    backend.load_checkpoint_state(load_sharded(url, template, rank=rank, world_size=world))
     reloaded = {n: t for n, t in backend.iter_hf_weights()}
     if rank == 0:
-        assert state["optimizer"]["state"].keys() >= {"lm_head.weight"}
         assert all(torch.equal(reloaded[n], weights[n]) for n in weights)
-        torch.save({"weights": weights, "metrics": metrics, "checkpoint": state["model"]}, out)
+        checkpoint = load_checkpoint(url).model_state  # read whole in one process, as export does
+        torch.save({"weights": weights, "metrics": metrics, "checkpoint": checkpoint}, out)
     else:
-        assert state is None and all(t is None for t in weights.values())
+        assert all(t is None for t in weights.values())
     torch.distributed.destroy_process_group()
 
 
