@@ -135,7 +135,7 @@ def _eval_due(interval: int | None, step: int) -> bool:
 def _call_log_hook(spec: Any, field_name: str, step: int, samples: Any, row: dict[str, Any]) -> None:
     """Call a ``custom_*_log_function`` as ``fn(rollout_id, samples, metrics_row)``; a returned mapping
     is merged into the row (extra metrics to log)."""
-    from raygym.config import load_callable
+    from raygym.callables import load_callable
 
     extra = load_callable(spec, field_name)(step, samples, row)
     if isinstance(extra, dict):

@@ -309,7 +309,7 @@ def run_eval(plan: EvalPlan, say: Callable[[str], None] = print) -> EvalResult:
     shuts it down at the end)."""
     import ray
 
-    from raygym.config import load_callable
+    from raygym.callables import load_callable
     from raygym.driver import connect_ray
 
     cfg = plan.cfg

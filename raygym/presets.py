@@ -19,7 +19,9 @@ import re
 from collections.abc import Callable
 
 from raygym.builtin import TINY_ARCH, TINY_MODEL
-from raygym.config import MiB, ModelConfig, Recipe
+from raygym.config.base import MiB
+from raygym.config.recipe import Recipe
+from raygym.config.run import ModelConfig
 from raygym.errors import ConfigError
 
 __all__ = [

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from raygym.config import RM_TYPES, load_callable
+from raygym.callables import load_callable
+from raygym.config import RM_TYPES
 from raygym.errors import ConfigError
 from raygym.reward_signatures import (
     PER_GROUP,

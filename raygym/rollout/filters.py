@@ -48,7 +48,7 @@ def keep_all(group: list[Sample]) -> bool:
 
 def load_group_filter(spec: Callable[..., Any] | str | None) -> GroupFilter | None:
     """The predicate named by ``dynamic_sampling_filter_path`` (callable or import path), or None."""
-    from raygym.rewards import load_callable
+    from raygym.callables import load_callable
 
     return load_callable(spec, "dynamic_sampling_filter_path")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from raygym.config import load_callable
+from raygym.callables import load_callable
 from raygym.errors import ConfigError
 from raygym.rewards import RewardModel
 from raygym.types import Sample

@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from raygym.config import load_callable
+from raygym.callables import load_callable
 from raygym.errors import ConfigError
 from raygym.trainer.contract import CheckpointState, LogProbResult, TrainMetrics
 

@@ -19,7 +19,6 @@ version label as they were, and says so.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 
+from raygym.callables import load_callable
 from raygym.rollout import protocol
 from raygym.weightsync import loader
 from raygym.weightsync.codec import dtype_from_name
@@ -51,11 +51,10 @@ def _dotted(path: str) -> str:
 
 
 def import_loader(path: str) -> Loader:
-    """Import ``pkg.mod:fn`` or ``pkg.mod.fn``."""
-    module, _, attr = _dotted(path).rpartition(".")
-    if not module:
-        raise ValueError(f"custom weight loader {path!r}: expected 'pkg.module:function' or 'pkg.module.function'")
-    return getattr(importlib.import_module(module), attr)
+    """The custom weight loader ``pkg.mod:fn`` or ``pkg.mod.fn`` (ConfigError when it does not import)."""
+    loaded = load_callable(path, "custom_weight_loader")
+    assert loaded is not None
+    return loaded
 
 
 def copy_by_name(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from raygym import ConfigError, DatasetConfig, MetricsConfig, ModelConfig, Recipe, TrainConfig
 from raygym.config import FLAGS, format_cli_help
+from raygym.config.constants import RECIPE_CHOICES
 
 N_CONFIGS = 200
 
@@ -106,7 +107,7 @@ def random_value(rng: random.Random, model, field: str):
     members = typing.get_args(annotation) or (annotation,)
     if type(None) in members and rng.random() < 0.3:
         return None
-    choices = Recipe._choices.get(field) if model is Recipe else None
+    choices = RECIPE_CHOICES.get(field) if model is Recipe else None
     if choices:
         return rng.choice(choices)
     if model is ModelConfig and field == "dtype":

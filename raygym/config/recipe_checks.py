@@ -1,0 +1,337 @@
+"""The rules of a valid :class:`raygym.config.recipe.Recipe` and what its settings imply for the trainer
+backend. Pure; ``Recipe`` runs :func:`validate_recipe` when it is built."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING
+
+from raygym.callables import IMPORT_PATH
+from raygym.config import constants
+from raygym.config.base import (
+    check_choice,
+    check_import_path,
+    check_int,
+    check_no_secrets,
+    check_range,
+    parse_json_object,
+)
+from raygym.config.constants import (
+    CUSTOM_FUNCTION_FIELDS,
+    RECIPE_CHOICES,
+    RECIPE_NON_NEGATIVE,
+    RECIPE_POSITIVE,
+    RM_TYPES,
+)
+from raygym.errors import ConfigError
+from raygym.rollout.capabilities import check_weight_sync
+
+if TYPE_CHECKING:
+    from raygym.config.recipe import Recipe
+    from raygym.config.run import ModelConfig
+
+
+def validate_recipe(r: Recipe) -> None:
+    """Every rule a Recipe must satisfy (run by its validator); ConfigError names field, value and fix."""
+    for field, choices in RECIPE_CHOICES.items():
+        check_choice(field, getattr(r, field), choices)
+    for field in RECIPE_POSITIVE:
+        check_int(field, getattr(r, field), 1, optional=field in constants.OPTIONAL_RECIPE_FIELDS)
+    for field in RECIPE_NON_NEGATIVE:
+        check_int(field, getattr(r, field), 0, optional=True)
+    check_ranges(r)
+    check_parallelism(r)
+    check_modes(r)
+    check_batches(r)
+    check_judge_and_teacher(r)
+    for field in CUSTOM_FUNCTION_FIELDS:
+        value = getattr(r, field)
+        if value is not None and not isinstance(value, str) and not callable(value):
+            raise ConfigError(f"{field}={value!r}: must be a callable or 'pkg.module:function'")
+        check_import_path(field, value)
+    check_import_path("dynamic_sampling_filter_path", r.dynamic_sampling_filter_path)
+    if r.rm_type is not None and r.rm_type not in RM_TYPES:
+        raise ConfigError(
+            f"rm_type={r.rm_type!r}: unknown built-in reward; pass --rm-type with one of "
+            f"{', '.join(map(repr, RM_TYPES))}, or --custom-rm-function pkg.module:function"
+        )
+    for key, weight in (r.reward_functions or {}).items():
+        if key not in RM_TYPES and (not IMPORT_PATH.match(key) or ("." not in key and ":" not in key)):
+            raise ConfigError(
+                f"reward_functions key {key!r}: neither a built-in reward ({', '.join(RM_TYPES)}) nor an "
+                "import path; write it as 'pkg.module:function'"
+            )
+        if not math.isfinite(weight):
+            raise ConfigError(f"reward_functions[{key!r}]={weight!r}: a weight must be a finite number")
+    if r.rollout_stop_token_ids and min(r.rollout_stop_token_ids) < 0:
+        raise ConfigError(f"rollout_stop_token_ids={r.rollout_stop_token_ids!r}: token ids are >= 0")
+    check_no_secrets("environment", r.environment)
+    check_no_secrets("train_env_vars", r.train_env_vars)
+    for field in ("apply_chat_template_kwargs", "multimodal_keys"):
+        if isinstance(getattr(r, field), str) and getattr(r, field):
+            parse_json_object(field, getattr(r, field))
+
+
+def check_ranges(r: Recipe) -> None:
+    check_range("lr", r.lr, 0.0, math.inf)
+    check_range("min_lr", r.min_lr, 0.0, r.lr)
+    check_range("critic_lr", r.critic_lr, 0.0, math.inf)
+    check_range("weight_decay", r.weight_decay, 0.0, math.inf)
+    check_range("adam_beta1", r.adam_beta1, 0.0, 1.0, high_open=True)
+    check_range("adam_beta2", r.adam_beta2, 0.0, 1.0, high_open=True)
+    check_range("eps_clip", r.eps_clip, 0.0, 1.0, low_open=True)
+    check_range("eps_clip_high", r.eps_clip_high, 0.0, math.inf, low_open=True)
+    check_range("eps_clip_c", r.eps_clip_c, 1.0, math.inf, low_open=True)
+    check_range("tis_clip", r.tis_clip, 0.0, math.inf, low_open=True)
+    check_range("update_weight_probe_tolerance", r.update_weight_probe_tolerance, 0.0, math.inf, low_open=True)
+    for field in ("kl_loss_coef", "kl_coef", "entropy_coef", "clip_grad", "rollout_temperature"):
+        check_range(field, getattr(r, field), 0.0, math.inf)
+    for field in ("rollout_top_p", "eval_top_p"):
+        check_range(field, getattr(r, field), 0.0, 1.0, low_open=True)
+    for field in ("attention_dropout", "hidden_dropout"):
+        check_range(field, getattr(r, field), 0.0, 1.0, high_open=True)
+    for field in ("gamma", "lambd"):
+        check_range(field, getattr(r, field), 0.0, 1.0)
+    check_range(
+        "sglang_mem_fraction_static",
+        r.sglang_mem_fraction_static,
+        0.0,
+        1.0,
+        low_open=True,
+        high_open=True,
+    )
+    for field in ("colocate_trainer_gpu_share", "colocate_engine_gpu_share"):
+        check_range(field, getattr(r, field), 0.0, 1.0, low_open=True)
+    for field in ("placement_timeout", "update_weight_timeout"):
+        check_range(field, getattr(r, field), 0.0, math.inf, low_open=True)
+    if r.colocate and r.colocate_trainer_gpu_share + r.colocate_engine_gpu_share > 1.0 + 1e-9:
+        raise ConfigError(
+            f"colocate_trainer_gpu_share={r.colocate_trainer_gpu_share} + colocate_engine_gpu_share="
+            f"{r.colocate_engine_gpu_share} exceed one GPU; lower them so they sum to at most 1.0"
+        )
+
+
+def check_parallelism(r: Recipe) -> None:
+    tp, pp, cp = (
+        r.tensor_model_parallel_size,
+        r.pipeline_model_parallel_size,
+        r.context_parallel_size,
+    )
+    if r.sequence_parallel and tp <= 1:
+        raise ConfigError(
+            f"sequence_parallel=True needs tensor_model_parallel_size > 1 (got {tp}); "
+            "set --tensor-model-parallel-size 2 or more, or pass --no-sequence-parallel"
+        )
+    actor_gpus = r.actor_num_nodes * r.actor_num_gpus_per_node
+    if actor_gpus % (tp * pp * cp):
+        raise ConfigError(
+            f"tensor_model_parallel_size={tp} x pipeline_model_parallel_size={pp} x context_parallel_size={cp}"
+            f" = {tp * pp * cp} does not divide the actor's {actor_gpus} GPUs "
+            "(actor_num_nodes x actor_num_gpus_per_node); pick sizes whose product divides it"
+        )
+    ep = r.expert_model_parallel_size
+    if actor_gpus % (ep * pp):
+        raise ConfigError(
+            f"expert_model_parallel_size={ep} x pipeline_model_parallel_size={pp} does not divide the actor's "
+            f"{actor_gpus} GPUs; pick an expert-parallel size that divides {actor_gpus // pp}"
+        )
+    if r.actor_num_gpus_per_node % r.rollout_num_gpus_per_engine:
+        raise ConfigError(
+            f"rollout_num_gpus_per_engine={r.rollout_num_gpus_per_engine}: an engine must fit inside one "
+            f"node of actor_num_gpus_per_node={r.actor_num_gpus_per_node} GPUs; pick a divisor of it"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r.gpu_allocation()
+
+
+def check_modes(r: Recipe) -> None:
+    if r.async_mode and r.colocate:
+        raise ConfigError(
+            "async_mode=True cannot run with colocate=True: rollout and training overlap and need their "
+            "own GPUs; pass --no-colocate (and --rollout-num-gpus) or --no-async-mode"
+        )
+    if r.update_weight_mode == "delta" and r.colocate:
+        raise ConfigError(
+            "update_weight_mode='delta' with colocate=True: colocated engines receive weights by handle, a "
+            "delta saves nothing; use --update-weight-mode full or pass --no-colocate"
+        )
+    if r.update_weight_transport == "disk" and not r.update_weight_disk_dir:
+        raise ConfigError(
+            "update_weight_transport='disk' needs update_weight_disk_dir: set --update-weight-disk-dir to a "
+            "directory (or fsspec URL) that trainers and engines share"
+        )
+    if r.update_weight_transport == "ipc" and not r.colocate:
+        raise ConfigError(
+            "update_weight_transport='ipc' needs colocate=True (handles only work on the same GPU); "
+            "use --update-weight-transport nccl or pass --colocate"
+        )
+    if r.rollout_engine != "auto":
+        check_weight_sync(r.rollout_engine, mode=r.update_weight_mode,
+                          transport=r.update_weight_transport, colocate=r.colocate)
+    if r.advantage_estimator == "ppo" and not r.use_critic:
+        raise ConfigError(
+            "advantage_estimator='ppo' needs use_critic=True (PPO learns a value function); pass --use-critic"
+        )
+
+
+def check_batches(r: Recipe) -> None:
+    per_step = r.rollout_batch_size * r.n_samples_per_prompt
+    if per_step % r.global_batch_size:
+        raise ConfigError(
+            f"global_batch_size={r.global_batch_size} does not divide rollout_batch_size x "
+            f"n_samples_per_prompt = {r.rollout_batch_size} x {r.n_samples_per_prompt} = {per_step}; "
+            f"pick a divisor of {per_step}"
+        )
+    dp = r.data_parallel_size()
+    if r.global_batch_size % dp:
+        raise ConfigError(
+            f"global_batch_size={r.global_batch_size} is not divisible by the data-parallel size {dp} "
+            "(actor GPUs / (tensor x pipeline x context parallel)); pick a multiple of it"
+        )
+    if not r.use_dynamic_batch_size and (r.global_batch_size // dp) % r.micro_batch_size:
+        raise ConfigError(
+            f"micro_batch_size={r.micro_batch_size} does not divide the {r.global_batch_size // dp} "
+            "samples per data-parallel rank and step; pick a divisor, or --use-dynamic-batch-size"
+        )
+    if (
+        r.over_sampling_batch_size is not None
+        and r.over_sampling_batch_size < r.rollout_batch_size
+    ):
+        raise ConfigError(
+            f"over_sampling_batch_size={r.over_sampling_batch_size} is smaller than rollout_batch_size="
+            f"{r.rollout_batch_size}; set it to at least {r.rollout_batch_size} or leave it unset"
+        )
+
+
+def check_judge_and_teacher(r: Recipe) -> None:
+    """The environment's, the judge's and the teacher's fields (raygym/envs, judge.py, distill.py)."""
+    if r.rollout_env is not None and r.custom_generate_function is not None:
+        raise ConfigError(
+            "rollout_env and custom_generate_function are both set: an environment run generates its "
+            "episodes itself; keep one of them"
+        )
+    if r.rm_type == "env" and r.rollout_env is None:
+        raise ConfigError("rm_type='env' rewards environment episodes: set rollout_env too, or another rm_type")
+    if r.rm_type == "judge" and not r.judge_hf_checkpoint:
+        raise ConfigError("rm_type='judge' needs judge_hf_checkpoint: set --judge-hf-checkpoint to the judge model")
+    if not r.judge_score_max > r.judge_score_min:
+        raise ConfigError(
+            f"judge_score_min={r.judge_score_min} must be below judge_score_max={r.judge_score_max}; "
+            "set them to the score range judge_prompt_template asks for"
+        )
+    if r.judge_hf_checkpoint:
+        if r.actor_num_gpus_per_node % r.judge_num_gpus_per_engine:
+            raise ConfigError(
+                f"judge_num_gpus_per_engine={r.judge_num_gpus_per_engine}: a judge engine must fit in one "
+                f"node of actor_num_gpus_per_node={r.actor_num_gpus_per_node} GPUs; pick a divisor of it"
+            )
+        import string as _string
+
+        try:
+            names = {n for _, n, _, _ in _string.Formatter().parse(r.judge_prompt_template) if n is not None}
+        except ValueError as exc:
+            raise ConfigError(
+                f"judge_prompt_template={r.judge_prompt_template!r}: not a format string ({exc})"
+            ) from None
+        if "response" not in names or not names <= {"prompt", "response", "label"}:
+            raise ConfigError(
+                f"judge_prompt_template={r.judge_prompt_template!r}: use {{response}} (and optionally "
+                "{prompt}, {label}) and write literal braces as {{ }}"
+            )
+    check_range("distill_kl_coef", r.distill_kl_coef, 0.0, math.inf)
+    check_range("distill_task_weight", r.distill_task_weight, 0.0, math.inf)
+
+
+def model_parallel_requests(r: Recipe) -> list[str]:
+    """``field=value`` of every model-parallel setting this recipe asks for (sizes > 1,
+    ``sequence_parallel``): only the Megatron trainer backend runs them.
+    """
+    sizes = {
+        "tensor_model_parallel_size": r.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": r.pipeline_model_parallel_size,
+        "context_parallel_size": r.context_parallel_size,
+        "expert_model_parallel_size": r.expert_model_parallel_size,
+    }
+    requests = [f"{name}={value}" for name, value in sizes.items() if value > 1]
+    if r.sequence_parallel:
+        requests.insert(1 if r.tensor_model_parallel_size > 1 else 0, "sequence_parallel=True")
+    return requests
+
+
+def check_trainer_backend(r: Recipe, *, megatron_installed: bool | None = None) -> str | None:
+    """ConfigError when no trainer backend can run this recipe; otherwise the backend it will run on
+    (``None``: ``trainer_backend="auto"`` without model parallelism, decided on the trainer's machine).
+
+    Pipeline and context parallelism are not run by any backend. Tensor, sequence and expert
+    parallelism need the Megatron backend: with ``trainer_backend="torch"`` they are refused, with
+    ``"auto"`` they select Megatron. ``megatron_installed`` (None = not checked): whether megatron-core
+    imports where the trainers run.
+    """
+    for name, value in (("pipeline_model_parallel_size", r.pipeline_model_parallel_size),
+                        ("context_parallel_size", r.context_parallel_size)):
+        if value > 1:
+            raise ConfigError(
+                f"{name}={value}: no raygym trainer backend runs it yet (the Megatron backend has no pipeline "
+                f"or context-parallel schedule); set {name}=1 and use tensor_model_parallel_size / "
+                "expert_model_parallel_size (or more data-parallel GPUs) instead"
+            )
+    requests = model_parallel_requests(r)
+    if r.trainer_backend == "torch" and requests:
+        raise ConfigError(
+            f"trainer_backend='torch' with {', '.join(requests)}: the torch backend is data parallel (FSDP2) "
+            "only; set trainer_backend='megatron' (pip install 'raygym[megatron]') or set "
+            "tensor_model_parallel_size=1, expert_model_parallel_size=1 and sequence_parallel=False"
+        )
+    needs_megatron = r.trainer_backend == "megatron" or bool(requests)
+    if needs_megatron and megatron_installed is False:
+        why = f"trainer_backend={r.trainer_backend!r}" + (f" with {', '.join(requests)}" if requests else "")
+        raise ConfigError(
+            f"{why}: needs the Megatron backend, and megatron-core is not installed here; "
+            "pip install 'raygym[megatron]'"
+            + (", or set tensor_model_parallel_size=1, expert_model_parallel_size=1 and sequence_parallel=False "
+               "to train with torch" if requests else ", or set trainer_backend='torch'")
+        )
+    if needs_megatron:
+        return "megatron"
+    return "torch" if r.trainer_backend == "torch" else None
+
+
+def trainer_backend_summary(r: Recipe, *, megatron_installed: bool) -> str:
+    """One line for ``raygym plan``: the trainer backend this recipe runs on and why.
+    """
+    resolved = check_trainer_backend(r)
+    requests = model_parallel_requests(r)
+    if resolved is None:
+        text = "trainer backend: auto (megatron on a CUDA machine with megatron-core, else torch)"
+    elif requests and r.trainer_backend == "auto":
+        text = f"trainer backend: megatron ({', '.join(requests)} needs it)"
+    else:
+        text = f"trainer backend: {resolved}"
+    if resolved == "megatron" and not megatron_installed:
+        text += "; megatron-core is not installed here (pip install 'raygym[megatron]' where the trainers run)"
+    return text
+
+
+def validate_model_parallelism(r: Recipe, model: ModelConfig) -> None:
+    """Check the parallel sizes against the model's architecture, where the architecture is known."""
+    ep, pp = r.expert_model_parallel_size, r.pipeline_model_parallel_size
+    if model.num_experts is not None and model.num_experts % ep:
+        raise ConfigError(
+            f"num_experts={model.num_experts} is not divisible by expert_model_parallel_size={ep}; "
+            "pick an expert-parallel size that divides the number of experts"
+        )
+    if (
+        model.num_experts is not None
+        and model.moe_router_topk is not None
+        and model.moe_router_topk > model.num_experts
+    ):
+        raise ConfigError(
+            f"moe_router_topk={model.moe_router_topk} exceeds num_experts={model.num_experts}; lower --moe-router-topk"
+        )
+    if model.num_layers is not None and model.num_layers % pp:
+        raise ConfigError(
+            f"num_layers={model.num_layers} is not divisible by pipeline_model_parallel_size={pp}; "
+            "pick a pipeline size that divides the layer count"
+        )

@@ -1,0 +1,232 @@
+"""``ModelConfig``, ``DatasetConfig``, ``MetricsConfig`` and ``TrainConfig`` (all of a run: the recipe,
+the model, the data, the metric sinks, where it writes). Pure.
+
+>>> cfg = TrainConfig(model=ModelConfig(hf_checkpoint="Qwen/Qwen3-4B"), output_dir="/tmp/run1")
+>>> cfg.run_dir
+'/tmp/run1'
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from raygym.callables import callable_import_path
+from raygym.config.base import (
+    Section,
+    check_choice,
+    check_int,
+    config_error_from,
+    option,
+    option_factory,
+    parse_json_object,
+)
+from raygym.config.constants import CUSTOM_FUNCTION_FIELDS
+from raygym.config.recipe import Recipe
+from raygym.errors import ConfigError
+
+
+class ModelConfig(Section):
+    """The policy model: where the weights are and, optionally, its architecture.
+
+    >>> ModelConfig(hf_checkpoint="builtin:tiny-qwen3").dtype
+    'auto'
+    """
+
+    hf_checkpoint: str = option(
+        ..., "HF checkpoint: a local path, an fsspec URL, an HF id or 'builtin:tiny-qwen3'."
+    )
+    ref_checkpoint: str | None = option(None, "Reference model for KL terms; None = the initial policy weights.")
+    dtype: str = option("auto", "Parameter dtype: 'auto', 'bfloat16', 'float16' or 'float32'.")
+    tokenizer: str | None = option(None, "Tokenizer path or id; None = the checkpoint's own.")
+    trust_remote_code: bool = option(False, "Allow custom model code from the checkpoint.")
+    num_experts: int | None = option(None, "MoE experts per layer (None for dense models or unknown).")
+    moe_router_topk: int | None = option(None, "Experts each token is routed to (MoE).")
+    num_layers: int | None = option(None, "Transformer layers (optional; checked against pipeline parallelism).")
+    hidden_size: int | None = option(None, "Hidden size (optional; informational).")
+
+    @model_validator(mode="after")
+    def _validate(self) -> ModelConfig:
+        if not self.hf_checkpoint.strip():
+            raise ConfigError(
+                "hf_checkpoint='': required; set --hf-checkpoint to a path, URL or 'builtin:tiny-qwen3'"
+            )
+        check_choice("dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
+        for field in ("num_experts", "moe_router_topk", "num_layers", "hidden_size"):
+            check_int(field, getattr(self, field), 1, optional=True)
+        return self
+
+
+class DatasetConfig(Section):
+    """The prompt data: a jsonl/parquet file (path or fsspec URL) or ``builtin:next-digit``.
+
+    >>> DatasetConfig(prompt_data="gsm8k.jsonl", input_key="question", label_key="answer").format
+    'auto'
+    """
+
+    prompt_data: str = option(
+        "builtin:next-digit", "Training prompts: a jsonl/parquet path or fsspec URL, or builtin:."
+    )
+    input_key: str = option("prompt", "Column holding the prompt (a string or a list of chat messages).")
+    label_key: str | None = option("label", "Column holding the label passed to the reward function.")
+    metadata_key: str | None = option(
+        "metadata", "Column holding per-row metadata passed to the reward function."
+    )
+    apply_chat_template: bool = option(False, "Format prompts with the tokenizer's chat template.")
+    apply_chat_template_kwargs: dict[str, Any] = option_factory(dict, "Keyword arguments for apply_chat_template.")
+    eval_prompt_data: dict[str, str] = option_factory(dict, "Eval datasets: name -> path or fsspec URL.")
+    format: str = option("auto", "File format: 'auto' (from the extension), 'jsonl' or 'parquet'.")
+
+    @model_validator(mode="after")
+    def _validate(self) -> DatasetConfig:
+        if not self.prompt_data.strip():
+            raise ConfigError("prompt_data='': required; set --prompt-data to a jsonl/parquet path or URL")
+        if not self.input_key:
+            raise ConfigError("input_key='': required; set --input-key to the prompt column (e.g. 'prompt')")
+        if self.label_key and self.label_key == self.input_key:
+            raise ConfigError(
+                f"label_key={self.label_key!r} equals input_key; they must name different columns (--label-key)"
+            )
+        check_choice("format", self.format, ("auto", "jsonl", "parquet"))
+        return self
+
+
+class MetricsConfig(Section):
+    """Where metrics go besides ``metrics.jsonl`` (always written). The W&B key is read from
+    ``WANDB_API_KEY`` in the environment, never from a config."""
+
+    wandb_project: str | None = option(None, "W&B project; None disables W&B.")
+    wandb_group: str | None = option(None, "W&B group.")
+    wandb_name: str | None = option(None, "W&B run name; None = the run id.")
+    wandb_mode: str = option("online", "W&B mode: 'online', 'offline' or 'disabled'.")
+    tensorboard_dir: str | None = option(None, "TensorBoard log directory; None disables TensorBoard.")
+
+    @model_validator(mode="after")
+    def _validate(self) -> MetricsConfig:
+        check_choice("wandb_mode", self.wandb_mode, ("online", "offline", "disabled"))
+        return self
+
+
+def new_run_id() -> str:
+    """A fresh run id: UTC timestamp plus 6 random hex digits, e.g. ``20250101-120000-a1b2c3``."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class TrainConfig(BaseModel):
+    """Everything a run needs. ``run_id`` is minted once, at construction, and kept.
+
+    >>> cfg = TrainConfig(model=ModelConfig(hf_checkpoint="Qwen/Qwen3-4B"), output_dir="/tmp/run1")
+    >>> cfg.run_dir, cfg.checkpoint_dir
+    ('/tmp/run1', '/checkpoints')
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    recipe: Recipe = option_factory(Recipe, "The training recipe.")
+    model: ModelConfig = option(..., "The policy model.")
+    dataset: DatasetConfig = option_factory(DatasetConfig, "The prompt data.")
+    metrics: MetricsConfig = option_factory(MetricsConfig, "Metric sinks besides metrics.jsonl.")
+    output_dir: str | None = option(None, "Run directory (path or fsspec URL); None = runs/<run_id>.")
+    run_id: str = option_factory(new_run_id, "Stable id of the run; generated once when unset.")
+
+    def __init__(self, **data: Any) -> None:
+        if data.get("run_id") is None:
+            data.pop("run_id", None)
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise config_error_from(exc, type(self)) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any):  # type: ignore[override]
+        if isinstance(obj, dict) and obj.get("run_id") is None:
+            obj = {k: v for k, v in obj.items() if k != "run_id"}
+        try:
+            return super().model_validate(obj, *args, **kwargs)
+        except ValidationError as exc:
+            raise config_error_from(exc, cls) from None
+
+    @model_validator(mode="after")
+    def _validate(self) -> TrainConfig:
+        if not RUN_ID.match(self.run_id):
+            raise ConfigError(
+                f"run_id={self.run_id!r}: use letters, digits, '.', '_' and '-' only (--run-id)"
+            )
+        self.recipe.validate_model_parallelism(self.model)
+        self.recipe.check_trainer_backend()
+        return self
+
+    @property
+    def run_dir(self) -> str:
+        """Where the run writes: ``output_dir``, or ``runs/<run_id>``."""
+        return self.output_dir if self.output_dir else f"runs/{self.run_id}"
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """``recipe.save``, or ``<run_dir>/checkpoints`` when it is empty."""
+        return self.recipe.save or f"{self.run_dir.rstrip('/')}/checkpoints"
+
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        """apply_chat_template kwargs: the recipe's (dict or JSON), updated by the dataset's."""
+        base = self.recipe.apply_chat_template_kwargs
+        merged = (
+            parse_json_object("apply_chat_template_kwargs", base) if isinstance(base, str) and base else {}
+        )
+        if isinstance(base, dict):
+            merged = dict(base)
+        return {**merged, **self.dataset.apply_chat_template_kwargs}
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (custom functions as import paths); ``model_validate`` reads it back."""
+        recipe = self.recipe.field_values()
+        for field in CUSTOM_FUNCTION_FIELDS:
+            if recipe[field] is not None:
+                try:
+                    recipe[field] = callable_import_path(recipe[field], field)
+                except ConfigError:
+                    recipe[field] = f"<unimportable {recipe[field]!r}>"
+        return json.loads(
+            json.dumps(
+                {
+                    "recipe": recipe,
+                    "model": self.model.model_dump(),
+                    "dataset": self.dataset.model_dump(),
+                    "metrics": self.metrics.model_dump(),
+                    "output_dir": self.output_dir,
+                    "run_id": self.run_id,
+                }
+            )
+        )
+
+    def cli_args(self) -> list[str]:
+        """Every field as slime-style kebab flags; ``TrainConfig.from_cli_args`` reads them back exactly.
+
+        Booleans are ``--x``/``--no-x``, None is ``--no-x`` (optional fields), dicts and lists are
+        JSON, custom functions are import paths (a lambda raises ConfigError).
+        """
+        from raygym.config.flags import SECTIONS, encode_section
+
+        args: list[str] = []
+        for section in SECTIONS:
+            args += encode_section(section, self if section == "run" else getattr(self, section))
+        return args
+
+    @classmethod
+    def from_cli_args(cls, args: Sequence[str]) -> TrainConfig:
+        """Build a config from flags: ``[--preset NAME] [@ run.toml] [--flag value ...]``.
+
+        Layers, later wins: the preset (``tiny`` when neither a preset nor ``--hf-checkpoint`` is
+        given anywhere), then TOML files in order, then flags. Bad input raises ConfigError.
+        """
+        from raygym.config.loader import config_from_cli_args
+
+        return config_from_cli_args(list(args))
