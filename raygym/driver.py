@@ -1,11 +1,9 @@
-"""The training loop: ``train(TrainConfig) -> TrainResult``.
+"""A run from start to end: ``train(TrainConfig) -> TrainResult``.
 
-Synchronous (default) per step: rollout -> [colocate: engines release memory, trainers onload] ->
-log-probs -> advantages -> train -> save every ``save_interval`` -> [colocate: trainers offload, engines
-resume their weights] -> weight sync (verified on every engine) -> [colocate: engines resume the KV
-cache] -> eval every ``eval_interval`` -> the next rollout starts -> metrics row, hooks, progress line.
-``async_mode``: the rollout of step k+1 runs while step k trains (one step off-policy; each sample
-carries the weight version that generated it, never more than one behind).
+Checks what can be checked before Ray starts, connects to (or starts) Ray, builds the graph
+(:mod:`raygym.graph`), resumes, runs the loop (:mod:`raygym.loop`: synchronous by default; ``async_mode``
+overlaps the rollout of step k+1 with training on step k), exports the final weights, and releases
+everything it started, also on errors and Ctrl-C.
 
 Sampling is reproducible: the rollout manager gives every request a ``sampling_seed`` derived from
 (``seed``, step, group, sample), so a run resumed from a checkpoint samples what an uninterrupted run
@@ -31,17 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raygym.errors import ConfigError, RaygymError, WeightSyncError
-from raygym.metrics import (
-    MetricsLogger,
-    PhaseTimer,
-    apply_substep_timing,
-    loss_note,
-    plot_reward_curve,
-    progress_line,
-    summary_table,
-    write_traces,
-)
+from raygym.errors import ConfigError, RaygymError
+from raygym.loop import Loop
+from raygym.metrics import MetricsLogger, apply_substep_timing, loss_note, plot_reward_curve, summary_table
 from raygym.run_display import StepProgress, banner_lines
 
 logger = logging.getLogger(__name__)
@@ -120,316 +110,6 @@ def _banner(cfg: Any, facts: Any) -> list[str]:
     return banner_lines(cfg, facts, trainer_backend=choose_backend(cfg.recipe.trainer_backend),
                         engine_kind=choose_rollout_engine(cfg.recipe.rollout_engine),
                         logical_gpus=local and not torch.cuda.is_available())
-
-
-def _should(interval: int | None, step: int, last_step: int) -> bool:
-    return bool(interval) and ((step + 1) % interval == 0 or step == last_step)
-
-
-def _eval_due(interval: int | None, step: int) -> bool:
-    """Eval after the sync of every ``eval_interval``-th step (a property of the step, not of the run's
-    length, so a resumed run evaluates at the same steps as an uninterrupted one)."""
-    return bool(interval) and (step + 1) % interval == 0
-
-
-def _call_log_hook(spec: Any, field_name: str, step: int, samples: Any, row: dict[str, Any]) -> None:
-    """Call a ``custom_*_log_function`` as ``fn(rollout_id, samples, metrics_row)``; a returned mapping
-    is merged into the row (extra metrics to log)."""
-    from raygym.callables import load_callable
-
-    extra = load_callable(spec, field_name)(step, samples, row)
-    if isinstance(extra, dict):
-        row.update(extra)
-
-
-class Loop:
-    """One run's loop over a built :class:`raygym.graph.RunGraph`.
-
-    ``events`` records the order of the phases that move memory and weights, as ``"<step>:<what>"``
-    (colocated: ``"0:engines.release"``, ``"0:trainers.onload"``, ``"0:train"``, ``"0:trainers.offload"``,
-    ``"0:engines.resume_weights"``, ``"0:sync"``, ``"0:engines.resume_kv_cache"``; otherwise ``"0:train"``,
-    ``"0:sync"``) so operators and tests can audit the colocated choreography.
-    """
-
-    def __init__(self, cfg: Any, graph: Any, console: Any) -> None:
-        self.cfg = cfg
-        self.recipe = cfg.recipe
-        self.graph = graph
-        self.console = console
-        self.run_dir = Path(cfg.run_dir)
-        self.metrics: MetricsLogger | None = None
-        self.checkpoints: list[str] = []
-        self.version = 0  # policy version the engines serve (= optimizer updates applied so far, by rollout)
-        self.rows: list[dict[str, Any]] = []
-        self.events: list[str] = []
-        self.engine_rebuilds = 0  # weight-sync rebuilds after engine restarts
-        self.progress: Any = None  # raygym.run_display.StepProgress; None prints plain step lines
-
-    # ---- phases ---------------------------------------------------------------------------------
-    @staticmethod
-    def _call(groups: tuple[Any, ...], method: str, *args: Any) -> list[Any]:
-        """``method(*args)`` on every rank of ``groups`` (ActorGroups; None = absent) at once, results in order."""
-        import ray
-
-        return ray.get([getattr(h, method).remote(*args) for g in groups if g is not None for h in g.handles])
-
-    def _trainers(self, method: str, *args: Any) -> list[Any]:
-        return self._call((self.graph.trainers,), method, *args)
-
-    def _critics(self, method: str, *args: Any) -> list[Any]:
-        """Every critic rank (PPO); ``[]`` when the run has no critic."""
-        return self._call((self.graph.critics,), method, *args)
-
-    def _memory(self, method: str) -> None:
-        """``onload`` / ``offload`` on the policy and the critic ranks together."""
-        self._call((self.graph.trainers, self.graph.critics), method)
-
-    def _engines(self, method: str, **kwargs: Any) -> None:
-        """Call an :class:`EngineClient` method on every synced engine. With fault tolerance a failing
-        engine is reported and skipped (its server died: the sync below leaves it out, the rollout
-        manager restarts it); otherwise the error propagates."""
-        import ray
-
-        handles = self.graph.engines.handles
-        refs = {i: handles[i].call.remote(method, **kwargs) for i in self.graph.synced_engines}
-        for i, ref in refs.items():
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayTaskError as exc:
-                if not self.recipe.use_fault_tolerance:
-                    raise
-                self.console.print(f"[yellow]engine {i}: {method} failed ({str(exc).splitlines()[0]})[/]")
-
-    def resume(self) -> int:
-        """Load the newest complete checkpoint of ``load`` (if any); returns the first rollout id to run."""
-        import ray
-
-        start = self.recipe.start_rollout_id or 0
-        if not self.recipe.load:
-            return start
-        infos = self._trainers("load_checkpoint")
-        info = infos[0]
-        if info is None:
-            self.console.print(f"[yellow]load={self.recipe.load!r}: no complete checkpoint there; starting at step "
-                               f"{start}[/]")
-            return start
-        extra = info.get("extra") or {}
-        if extra.get("data_state") is not None:
-            ray.get(self.graph.manager.load_data_state.remote(extra["data_state"]))
-        self._critics("load_checkpoint", None, int(info["rollout_id"]))
-        self.version = int(info["start_rollout_id"])
-        self.console.print(f"resumed from {info['path']} (saved after step {info['rollout_id']}); "
-                           f"continuing at step {info['start_rollout_id']}", markup=False)
-        # The engines still hold the initial weights: give them the checkpoint's.
-        self.graph.weight_sync.push(self.version)
-        return int(info["start_rollout_id"])
-
-    def train_on(self, samples: list[Any], step: int, timer: PhaseTimer) -> dict[str, float]:
-        import ray
-
-        from raygym.trainer.actor import PackedBatch
-        from raygym.trainer.batch import TrainBatch
-
-        recipe = self.recipe
-        if recipe.colocate:
-            with timer.phase("offload"):
-                self._engines("release_memory_occupation")
-                self.events.append(f"{step}:engines.release")
-                self._memory("onload")
-                self.events.append(f"{step}:trainers.onload")
-        batch = TrainBatch.from_samples(samples, group_size=recipe.n_samples_per_prompt)
-        with timer.phase("log_probs"):
-            # Old log-probs are redundant with one optimizer step per rollout (the trainer then uses its own
-            # detached ones); PPO's critic values the old states for GAE. Both passes run at the same time.
-            policy_ranks = self.graph.trainers.handles
-            critic_ranks = self.graph.critics.handles if self.graph.critics is not None else []
-            old_pass = [] if self.graph.single_pass_log_probs else policy_ranks
-            if old_pass or critic_ranks:
-                ref = ray.put(PackedBatch.pack(batch))  # one object for every rank, a few flat tensors
-                log_probs = [h.compute_log_probs.remote(ref, step) for h in old_pass]
-                values = [h.compute_values.remote(ref, step) for h in critic_ranks]
-                if log_probs:
-                    batch = batch.with_log_probs(ray.get(log_probs)[0])
-                if values:
-                    batch = batch.with_log_probs(ray.get(values)[0])
-        batch = batch.with_advantages(
-            recipe.advantage_estimator, kl_coef=recipe.kl_coef, gamma=recipe.gamma, lambd=recipe.lambd
-        )
-        if recipe.distill_teacher_checkpoint:  # on-policy distillation (raygym/distill.py)
-            from raygym.distill import distill_advantages
-
-            batch = distill_advantages(batch, samples, kl_coef=recipe.distill_kl_coef,
-                                       task_weight=recipe.distill_task_weight)
-        with timer.phase("train"):
-            ref = ray.put(PackedBatch.pack(batch))
-            policy = [h.train_step.remote(ref, step) for h in policy_ranks]
-            critic = [h.train_step.remote(ref, step) for h in critic_ranks]
-            train_metrics = ray.get(policy)[0]  # the critic trains on its own ranks meanwhile
-            critic_metrics = ray.get(critic)[0] if critic else {}
-        self.events.append(f"{step}:train")
-        return {**train_metrics, **critic_metrics}
-
-    def save(self, step: int, data_state: dict[str, Any]) -> None:
-        extra = {"data_state": data_state, "weight_version": self.version, "run_id": self.cfg.run_id}
-        # The critic first: a step's policy manifest (what resume looks for) then implies its critic exists.
-        self._critics("save_checkpoint", step, extra, self.cfg.checkpoint_dir)
-        paths = self._trainers("save_checkpoint", step, extra, self.cfg.checkpoint_dir)
-        self.checkpoints.append(paths[0])
-
-    def _recover_engines(self) -> dict[str, float]:
-        """Before a sync: if an engine was restarted (fault tolerance), wait for restarts in progress and
-        rebuild the weight sync over every live engine, so the push below reaches the new servers."""
-        import ray
-
-        from raygym.graph import ENGINE_START_TIMEOUT_S
-
-        manager = self.graph.manager
-        states = ray.get(manager.engine_states.remote())
-        live = [i for i, state in enumerate(states) if state != "dead"]
-        if all(state == "healthy" for state in states) and live == self.graph.synced_engines:
-            return {}
-        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
-        while "dead" in states and time.monotonic() < deadline:  # restarting (or its restart failed)
-            time.sleep(0.25)
-            states = ray.get(manager.engine_states.remote())
-        live = [i for i, state in enumerate(states) if state != "dead"]
-        alive = ray.get([self.graph.engines.handles[i].alive.remote() for i in live])
-        live = [i for i, ok in zip(live, alive, strict=True) if ok]  # a death the manager has not seen yet
-        if not live:
-            raise RaygymError(f"every rollout engine is dead and could not be restarted (states {states})")
-        self.console.print(f"[yellow]engines restarted: re-forming the weight sync over engines {live}[/]")
-        self.graph.make_weight_sync(live)
-        self.engine_rebuilds += 1
-        return {"sync/engine_rebuilds": float(self.engine_rebuilds)}
-
-    def sync(self, version: int, step: int, timer: PhaseTimer) -> dict[str, float]:
-        import ray
-
-        colocate = self.recipe.colocate
-        if colocate:  # weights back before the push, the KV cache after it (FIELD-NOTES: SGLang)
-            with timer.phase("offload"):
-                self._memory("offload")
-                self.events.append(f"{step}:trainers.offload")
-                self._engines("resume_memory_occupation", tags=["weights"])
-                self.events.append(f"{step}:engines.resume_weights")
-        with timer.phase("sync"):
-            out = self._recover_engines() if self.recipe.use_fault_tolerance else {}
-            out.update(self._push(version))
-            self.version = version
-            self.events.append(f"{step}:sync")
-        if colocate:
-            with timer.phase("offload"):
-                self._engines("resume_memory_occupation", tags=["kv_cache"])
-                self.events.append(f"{step}:engines.resume_kv_cache")
-        with timer.phase("sync"):
-            # Engines restarted by fault tolerance got the full push above: put them back in rotation.
-            ray.get(self.graph.manager.set_weight_version.remote(version))
-            needing = set(ray.get(self.graph.manager.engines_needing_weights.remote()))
-            for i in sorted(needing & set(self.graph.synced_engines)):
-                ray.get(self.graph.manager.mark_engine_synced.remote(i, version))
-            out["sync/engines"] = float(len(self.graph.synced_engines))
-        return out
-
-    def _push(self, version: int) -> dict[str, float]:
-        """``weight_sync.push``; with fault tolerance, an engine whose server died since the last rollout
-        is left out (the rollout manager restarts it when its next request fails, and the next sync
-        brings it back) instead of failing the run."""
-        import ray
-
-        try:
-            return self.graph.weight_sync.push(version)
-        except WeightSyncError:
-            if not self.recipe.use_fault_tolerance:
-                raise
-            handles = self.graph.engines.handles
-            alive = ray.get([handles[i].alive.remote() for i in self.graph.synced_engines])
-            live = [i for i, ok in zip(self.graph.synced_engines, alive, strict=True) if ok]
-            if not live or len(live) == len(self.graph.synced_engines):
-                raise
-            self.console.print(f"[yellow]weight sync failed on a dead engine: syncing engines {live}[/]")
-            self.graph.make_weight_sync(live)
-            self.engine_rebuilds += 1
-            out = self.graph.weight_sync.push(version)
-            out["sync/engine_rebuilds"] = float(self.engine_rebuilds)
-            return out
-
-    def evaluate(self, step: int, timer: PhaseTimer) -> dict[str, Any]:
-        import ray
-
-        with timer.phase("eval"):
-            row = ray.get(self.graph.manager.evaluate.remote(step))
-            spec = self.recipe.custom_eval_rollout_log_function
-            if spec:
-                samples = ray.get(self.graph.manager.eval_samples.remote())
-                _call_log_hook(spec, "custom_eval_rollout_log_function", step, samples, row)
-        return row
-
-    # ---- the loop -------------------------------------------------------------------------------
-    def run(self, start: int, metrics: MetricsLogger) -> int:
-        """Run steps ``start .. num_rollout-1``; returns the last completed step."""
-        import ray
-
-        self.metrics = metrics
-        recipe = self.recipe
-        last = recipe.num_rollout - 1
-        manager = self.graph.manager
-        pending = manager.generate.remote(start, self.version) if start <= last else None
-        final = start - 1
-        for step in range(start, last + 1):
-            timer = PhaseTimer()
-            t0 = time.perf_counter()
-            with timer.phase("rollout"):
-                samples = ray.get(pending)
-            rollout_metrics, data_state = ray.get([manager.metrics.remote(), manager.data_state.remote()])
-            pending = None
-            if recipe.async_mode and step < last:
-                # Overlaps training below; generated on the weights of step `step` (one step stale).
-                pending = manager.generate.remote(step + 1, self.version)
-            row: dict[str, Any] = dict(rollout_metrics)
-            # The manager's own generation time; perf/rollout_time below is what the driver waited.
-            row["rollout/generate_time"] = row.pop("perf/rollout_time", 0.0)
-            row["rollout/weight_version_min"] = min(s.weight_version for s in samples)
-            row["rollout/weight_version_max"] = max(s.weight_version for s in samples)
-            row["rollout/staleness_max"] = self.version - row["rollout/weight_version_min"]
-            row.update(self.train_on(samples, step, timer))
-            if recipe.async_mode and pending is not None:
-                with timer.phase("rollout_wait"):
-                    ray.wait([pending])  # the next rollout must finish on the old weights before the sync
-            if _should(recipe.save_interval, step, last):
-                with timer.phase("save"):
-                    self.save(step, data_state)
-            row.update(self.sync(step + 1, step, timer))
-            if _eval_due(recipe.eval_interval, step):
-                row.update(self.evaluate(step, timer))
-            if not recipe.async_mode and step < last:
-                pending = manager.generate.remote(step + 1, self.version)
-            row.update(self._step_timing(timer, t0, samples))
-            if recipe.capture_trace:
-                write_traces(self.run_dir, step, samples)
-            if recipe.custom_rollout_log_function:
-                _call_log_hook(recipe.custom_rollout_log_function, "custom_rollout_log_function", step, samples, row)
-            logged = self.metrics.log(step, apply_substep_timing(row, recipe.substep_timing))
-            self.rows.append(logged)
-            if self.progress is not None:
-                self.progress.step(logged)
-            else:
-                self.console.print(progress_line(logged, recipe.num_rollout), soft_wrap=True)
-            final = step
-        return final
-
-    @staticmethod
-    def _step_timing(timer: PhaseTimer, t0: float, samples: list[Any]) -> dict[str, float]:
-        """perf/<phase>_time per phase, perf/step_time, perf/other_time (control overhead: the step
-        minus its timed phases) and perf/tokens_per_s (prompt + response tokens of the step)."""
-        out: dict[str, float] = dict(timer.as_metrics())
-        step_time = time.perf_counter() - t0
-        out["perf/step_time"] = step_time
-        for key in ("perf/rollout_time", "perf/train_time", "perf/sync_time"):
-            out.setdefault(key, 0.0)
-        out["perf/other_time"] = max(0.0, step_time - sum(timer.seconds.values()))
-        tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
-        out["perf/tokens_per_s"] = tokens / step_time if step_time > 0 else 0.0
-        return out
 
 
 def _resolve_reference(cfg: Any, run_dir: Path) -> Any:
@@ -527,7 +207,7 @@ def train(cfg: Any) -> TrainResult:
     progress = None
     try:
         graph = build_graph(cfg, model_path, run_dir, say=console.print)
-        loop = Loop(cfg, graph, console)
+        loop = Loop(cfg, graph, console)  # raygym.loop
         start = loop.resume()
         with MetricsLogger(run_dir, cfg.metrics, run_id=cfg.run_id, config_dict=cfg.to_json_dict(),
                            resume_from_step=start if recipe.load else None) as metrics, \
@@ -535,7 +215,7 @@ def train(cfg: Any) -> TrainResult:
             loop.progress = progress
             final = loop.run(start, metrics)
         if loop.checkpoints:
-            hf_path = loop._trainers("export_hf", str(run_dir / "hf"))[0]
+            hf_path = loop.trainers("export_hf", str(run_dir / "hf"))[0]
         fast_release = False
     except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
         user_error = config_error_of(exc)  # a ConfigError raised while an actor was created

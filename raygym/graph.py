@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raygym.config import Recipe, TrainConfig
+from raygym.engine_fleet import ENGINE_START_TIMEOUT_S
 from raygym.errors import ConfigError, RaygymError
 
 logger = logging.getLogger(__name__)
 
 ROLLOUT_ENGINES = ("auto", "raygym", "sglang")
-ENGINE_START_TIMEOUT_S = 600.0
 
 
 def choose_rollout_engine(name: str) -> str:
@@ -62,52 +63,22 @@ def preflight_engine(recipe: Any) -> str:
 class RunGraph:
     """Handles of every actor of a run; ``shutdown()`` ends them all (idempotent)."""
 
-    placement: Any
-    trainers: Any  # raygym.actor_group.ActorGroup of TrainerActor
-    engines: Any  # ActorGroup of EngineActor
-    engine_urls: list[str]
-    manager: Any  # Ray actor handle of RolloutManager
-    weight_sync: Any  # raygym.weightsync.coordinator.WeightSync
-    closed: bool = field(default=False)
-    recipe: Any = None
-    synced_engines: list[int] = field(default_factory=list)  # engine indexes the weight sync covers
-    trainer_info: list[dict[str, Any]] = field(default_factory=list)  # what each trainer rank's init() returned
+    recipe: Recipe
+    placement: Any = None
+    trainers: Any = None  # raygym.actor_group.ActorGroup of TrainerActor
     critics: Any = None  # ActorGroup of TrainerActor(role="critic") when use_critic, else None
-    engine_dtype: str | None = None  # the checkpoint's floating dtype (what SGLang serves)
+    engines: Any = None  # ActorGroup of EngineActor
+    manager: Any = None  # Ray actor handle of RolloutManager
+    fleet: Any = None  # raygym.engine_fleet.EngineFleet: engine lifecycle and weight sync
     aux: Any = None  # raygym.aux_groups.AuxGroups: the judge engines and the distillation teacher
+    trainer_info: list[dict[str, Any]] = field(default_factory=list)  # what each trainer rank's init() returned
+    closed: bool = False
 
     @property
     def single_pass_log_probs(self) -> bool:
         """Every trainer rank takes its old log-probs from its own training pass (the driver then skips
         ``compute_log_probs``; see ``raygym.trainer.torch_backend.reuses_current_log_probs``)."""
         return bool(self.trainer_info) and all(i.get("single_pass_log_probs") for i in self.trainer_info)
-
-    def make_weight_sync(self, engine_indexes: list[int]) -> Any:
-        """A connected :class:`WeightSync` from the trainers to ``engine_indexes`` (at their current URLs).
-
-        Used at start and after an engine restart (a restarted server listens on a new port and must
-        join a new weight-update group); its first push is a full one.
-        """
-        import ray
-
-        from raygym.weightsync.coordinator import WeightSync
-
-        if self.weight_sync is not None:
-            self.weight_sync.shutdown()  # the trainer leaves the old group; live engines destroy theirs
-            self.weight_sync = None
-        from raygym.rollout.capabilities import weight_update_session
-
-        self.engine_urls = ray.get([h.url.remote() for h in self.engines.handles])
-        info = ray.get(self.engines.handles[engine_indexes[0]].engine_info.remote())
-        overrides: dict[str, Any] = {}
-        if info["kind"] == "sglang":  # send what the engine holds: the checkpoint's dtype, not fp32 masters
-            overrides["cast_dtype"] = self.engine_dtype
-        sync = WeightSync(self.recipe, self.trainers.handles, [self.engine_urls[i] for i in engine_indexes],
-                          engine_kind=info["kind"], session=weight_update_session(info["kind"], info["version"]),
-                          spec_overrides=overrides)
-        sync.setup()
-        self.weight_sync, self.synced_engines = sync, list(engine_indexes)
-        return sync
 
     def shutdown(self, fast: bool = False) -> None:
         """End every actor and release the placement group. ``fast`` (Ctrl-C, a dead trainer) skips
@@ -118,7 +89,7 @@ class RunGraph:
         import ray
 
         steps = (
-            ("weight sync", lambda: self.weight_sync and not fast and self.weight_sync.shutdown()),
+            ("weight sync", lambda: self.fleet and self.fleet.shutdown(fast)),
             ("rollout manager", lambda: self.manager and ray.get(self.manager.close.remote(), timeout=30)),
             ("engines", lambda: self.engines and ray.get(
                 [h.shutdown.remote() for h in self.engines.handles], timeout=60)),
@@ -142,12 +113,13 @@ class RunGraph:
             self.placement.release()
 
 
-def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> RunGraph:
+def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = print) -> RunGraph:
     """Start every actor of the run in its bundle and connect them; on failure, end what started."""
     import ray
 
     from raygym.actor_group import call_all, start_engine_group, start_trainer_group
     from raygym.aux_groups import aux_manager_kwargs, start_aux_groups
+    from raygym.engine_fleet import EngineFleet
     from raygym.placement import allocate_for_recipe
     from raygym.rollout.auth import ENGINE_API_KEY_ENV, new_engine_api_key
     from raygym.rollout.engine import EngineActor
@@ -157,7 +129,7 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
     recipe = cfg.recipe
     engine_kind = choose_rollout_engine(recipe.rollout_engine)
     api_key = os.environ.setdefault(ENGINE_API_KEY_ENV, new_engine_api_key())  # this run's engines require it
-    graph = RunGraph(None, None, None, [], None, None, recipe=recipe, engine_dtype=checkpoint_dtype(model_path))
+    graph = RunGraph(recipe)
     try:
         say(f"placement: {recipe.gpu_allocation().total_gpus} GPU bundles ...")
         graph.placement = allocate_for_recipe(recipe).ensure_ready()
@@ -192,7 +164,7 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
         say(f"starting {len(graph.trainers)} trainer(s){critics} and {len(graph.engines)} {engine_kind} engine(s) ...")
         graph.trainer_info = list(ray.get(init_refs))
         ray.get(critic_refs)
-        graph.engine_urls = ray.get(url_refs)
+        ray.get(url_refs)
         graph.aux = start_aux_groups(recipe, run_dir, engine_kind, say)
         manager_cls = ray.remote(RolloutManager)
         graph.manager = manager_cls.options(num_cpus=0, max_concurrency=64).remote(
@@ -200,7 +172,9 @@ def build_graph(cfg: Any, model_path: str, run_dir: Path, say: Any = print) -> R
             **aux_manager_kwargs(recipe, graph.aux, run_dir),
         )
         ray.get(graph.manager.use_engine_api_key.remote(api_key))
-        graph.make_weight_sync(list(range(len(graph.engines))))
+        graph.fleet = EngineFleet(recipe, graph.engines, graph.trainers, graph.manager,
+                                  engine_dtype=checkpoint_dtype(model_path), say=say)
+        graph.fleet.connect(list(range(len(graph.engines))))
         call_all(graph.trainers, "get_rank")  # surfaces an init failure now, with its traceback
         if graph.critics is not None:
             call_all(graph.critics, "get_rank")

@@ -6,8 +6,9 @@ through the :class:`~raygym.rollout.router.Router`, posts ``/generate`` and, wit
 on, retries a request whose engine failed (connection error, timeout, 5xx) on another healthy
 engine — the caller's sample slot is filled exactly once. The failed engine is marked unhealthy
 and restarted in the background (``EngineActor.restart()``); it returns to the router only after
-it holds the current weights: either ``mark_engine_synced(i, version)`` from the driver (see
-``engines_needing_weights()``), or a ``resync`` callback given to the pool.
+it holds the current weights: ``mark_engine_synced(i, version)`` from the driver's
+:class:`raygym.engine_fleet.EngineFleet` (see ``engines_needing_weights()``), which re-forms the weight
+sync over the restarted engine and pushes to it.
 
 :class:`HealthMonitor` probes every healthy engine's ``/health_generate`` every ``interval`` s with
 ``timeout``, starting ``first_wait`` s after it was first activated, and only while active (the
@@ -28,7 +29,6 @@ from raygym.rollout.router import DEAD, NoHealthyEngineError, Router
 log = logging.getLogger(__name__)
 
 ClientFactory = Callable[[str], Any]  # base_url -> EngineClient-like (async generate/health_generate/...)
-Resync = Callable[[int], Awaitable[int]]  # engine index -> weight version it holds after the sync
 
 
 class EngineRequestError(RaygymError):
@@ -121,7 +121,6 @@ class EnginePool:
         health_interval: float = 30.0,
         health_timeout: float = 30.0,
         health_first_wait: float = 300.0,
-        resync: Resync | None = None,
         no_engine_timeout: float = 600.0,
         max_attempts: int | None = None,
     ) -> None:
@@ -133,7 +132,6 @@ class EnginePool:
         self.urls: list[str] = [""] * len(engines)
         self.clients: list[Any] = [None] * len(engines)
         self._make_client = client_factory or default_client_factory(request_timeout)
-        self._resync = resync
         self.no_engine_timeout = no_engine_timeout
         self.max_attempts = max_attempts or 2 * len(engines) + 2
         self._changed = asyncio.Event()  # set whenever an engine's state changes
@@ -306,9 +304,7 @@ class EnginePool:
                                               "reason": f"restart failed: {e}"})
                         return
                     await asyncio.sleep(1.0)
-            self.router.mark_restarted(i)
-            if self._resync is not None:
-                self.router.mark_ready(i, await self._resync(i))
+            self.router.mark_restarted(i)  # ready again once the driver's fleet synced it
             self._changed.set()
         finally:
             self._recoveries.pop(i, None)

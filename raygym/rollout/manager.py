@@ -64,7 +64,7 @@ from raygym.rewards import (
 )
 from raygym.rollout import tasks
 from raygym.rollout.filters import GroupFilter, load_group_filter
-from raygym.rollout.health import ClientFactory, EnginePool, Resync
+from raygym.rollout.health import ClientFactory, EnginePool
 from raygym.types import Sample
 
 
@@ -165,7 +165,6 @@ class RolloutManager:
         tokenizer_path: str,
         *,
         client_factory: ClientFactory | None = None,
-        resync: Resync | None = None,
         dataset: PromptDataset | None = None,
         eval_datasets: dict[str, PromptDataset] | None = None,
         reward_model: RewardModel | None = None,
@@ -204,7 +203,6 @@ class RolloutManager:
             health_interval=s.rollout_health_check_interval,
             health_timeout=s.rollout_health_check_timeout,
             health_first_wait=s.rollout_health_check_first_wait,
-            resync=resync,
         )
         self.max_sampling_rounds = max_sampling_rounds
         self.pass_threshold = pass_threshold  # a sample "passes" for pass@k when reward >= this

@@ -163,14 +163,6 @@ class WeightSync:
         for link in self.links:
             checked(link, endpoint, payload, self.timeout_s)
 
-    def resync_engine(self, index: int) -> dict[str, float]:
-        """Engine ``index`` was restarted: re-form the group and push the current version in full."""
-        if self.version is None:
-            raise WeightSyncError("resync_engine before any push: nothing to resync")
-        _invoke(self.trainers[0], "reconnect_weight_sync", timeout=self.timeout_s)
-        self._force_full = True
-        return self.push(self.version)
-
     def verify(self, version: int, expected: dict[str, str]) -> list[str]:
         """Engines whose weight version or checksums differ from ``expected`` (descriptions)."""
         if self.verification == "probe":
