@@ -17,6 +17,7 @@ import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -25,6 +26,9 @@ from raygym.cli_after_training import eval_command, report_command, serve_comman
 from raygym.cli_help import cli_help
 from raygym.config import Recipe, TrainConfig, megatron_installed
 from raygym.errors import ConfigError, RaygymError
+
+if TYPE_CHECKING:
+    from raygym.layout import BundleAssignment
 
 USAGE_ERROR = 2
 _PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
@@ -188,7 +192,7 @@ def plan(ctx: click.Context) -> None:
     if cluster:
         from rich.console import Console
 
-        from raygym.placement import plan_on_cluster, render_assignments
+        from raygym.placement import plan_on_cluster
 
         Console().print(render_assignments(plan_on_cluster(cfg.recipe, cluster)))
 
@@ -264,6 +268,32 @@ app.add_command(report_command)
 from raygym.cli_data import data as _data_group  # noqa: E402
 
 app.add_command(_data_group)
+
+
+def render_assignments(assignments: Sequence[BundleAssignment]) -> Any:
+    """A rich table (node, IP, GPU, role, rank, engine: its GPUs, share, bundle) for ``raygym plan``."""
+    from rich.table import Table
+
+    from raygym.layout import ROLES, ip_sort_key
+
+    table = Table(title="raygym placement")
+    for col in ("node", "ip", "gpu", "role", "rank", "engine: gpus", "share", "bundle"):
+        numeric = col in ("gpu", "rank", "share", "bundle")
+        table.add_column(col, justify="right" if numeric else "left", no_wrap=col in ("ip", "role"))
+    order = sorted(assignments, key=lambda a: (ip_sort_key(a.ip), a.node_id, a.gpu_id, ROLES.index(a.role)))
+    for a in order:
+        engine = "" if a.engine_index is None else f"{a.engine_index}: {','.join(map(str, a.engine_gpu_ids))}"
+        table.add_row(
+            a.node_id[:8],
+            a.ip,
+            str(a.gpu_id),
+            a.role,
+            str(a.rank),
+            engine,
+            f"{a.gpu_share:g}",
+            str(a.bundle_index),
+        )
+    return table
 
 
 def main(argv: Sequence[str] | None = None) -> int:

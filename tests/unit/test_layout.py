@@ -11,7 +11,8 @@ import pytest
 from raygym.actor_group import build_rank_envs, merge_user_env, shard_evenly
 from raygym.allocation import GpuAllocation, compute_allocation
 from raygym.errors import ConfigError, RaygymError
-from raygym.placement import (
+from raygym.cli import render_assignments
+from raygym.layout import (
     BundleAssignment,
     GpuSlot,
     NodeInfo,
@@ -19,7 +20,6 @@ from raygym.placement import (
     ip_sort_key,
     layout,
     layout_from_slots,
-    render_assignments,
     role_rows,
     shortfall_message,
     validate_shares,
