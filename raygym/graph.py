@@ -72,6 +72,7 @@ class RunGraph:
     fleet: Any = None  # raygym.engine_fleet.EngineFleet: engine lifecycle and weight sync
     aux: Any = None  # raygym.aux_groups.AuxGroups: the judge engines and the distillation teacher
     trainer_info: list[dict[str, Any]] = field(default_factory=list)  # what each trainer rank's init() returned
+    minted_api_key: bool = False  # build_graph put this run's engine key in the driver's environment
     closed: bool = False
 
     @property
@@ -111,6 +112,10 @@ class RunGraph:
                 logger.debug("killing the rollout manager failed: %s", exc)
         if self.placement is not None:
             self.placement.release()
+        if self.minted_api_key:  # the key was this run's: later runs in this process mint their own
+            from raygym.rollout.auth import ENGINE_API_KEY_ENV
+
+            os.environ.pop(ENGINE_API_KEY_ENV, None)
 
 
 def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = print) -> RunGraph:
@@ -128,8 +133,8 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
 
     recipe = cfg.recipe
     engine_kind = choose_rollout_engine(recipe.rollout_engine)
+    graph = RunGraph(recipe, minted_api_key=ENGINE_API_KEY_ENV not in os.environ)
     api_key = os.environ.setdefault(ENGINE_API_KEY_ENV, new_engine_api_key())  # this run's engines require it
-    graph = RunGraph(recipe)
     try:
         say(f"placement: {recipe.gpu_allocation().total_gpus} GPU bundles ...")
         graph.placement = allocate_for_recipe(recipe).ensure_ready()

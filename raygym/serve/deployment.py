@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from raygym.config import Recipe
 from raygym.errors import ConfigError
 
 API_KEY_ENV = "RAYGYM_SERVE_API_KEY"
@@ -154,6 +155,22 @@ def _context_len(model_dir: str) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+ENGINE_RECIPE_FIELDS = ("seed", "rollout_engine_python", "rollout_num_gpus_per_engine", "rollout_max_prompt_len",
+                        "rollout_max_response_len", "update_weight_timeout")
+
+
+def engine_recipe(engine_settings: dict[str, Any]) -> Recipe:
+    """The validated :class:`~raygym.config.Recipe` a replica's engine starts from: the run's engine fields
+    (``sglang_*`` and :data:`ENGINE_RECIPE_FIELDS`) over the defaults; the training fields are left out.
+
+    >>> engine_recipe({"sglang_max_running_requests": 32, "lr": 1.0}).sglang_max_running_requests
+    32
+    """
+    chosen = {name: value for name, value in engine_settings.items()
+              if name in Recipe.model_fields and (name.startswith("sglang_") or name in ENGINE_RECIPE_FIELDS)}
+    return Recipe(**chosen)
+
+
 class OpenAIReplica:
     """One Serve replica: starts its engine, then serves the OpenAI routes in front of it."""
 
@@ -173,8 +190,8 @@ class OpenAIReplica:
         kind = choose_rollout_engine(settings.engine)
         gpus = settings.gpus_per_replica or 0
         gpu_ids = [int(g) for g in ray.get_gpu_ids()] if gpus > 0 else []
-        engine_settings = {**settings.engine_settings, "rollout_num_gpus_per_engine": max(1, gpus)}
-        self.engine = EngineActor(engine_settings, engine_index=0, model_path=settings.model_dir, gpu_ids=gpu_ids,
+        recipe = engine_recipe({**settings.engine_settings, "rollout_num_gpus_per_engine": max(1, gpus)})
+        self.engine = EngineActor(recipe, engine_index=0, model_path=settings.model_dir, gpu_ids=gpu_ids,
                                   host="127.0.0.1", backend=kind,
                                   log_dir=tempfile.mkdtemp(prefix="raygym-serve-engine-"))
         self.engine.start()
