@@ -1,14 +1,15 @@
 """The torch trainer backend: an HF causal LM, FSDP2 across ranks (gloo on CPU, nccl on GPU).
 
-- Precision: fp32 on CPU; on GPU fp32 master weights with bf16 compute (FSDP2 ``MixedPrecisionPolicy``
-  when sharded, ``torch.autocast`` on one rank).
+- Precision: fp32 master weights; compute in ``model.dtype`` (:func:`compute_dtype`: ``auto`` is bf16 on a
+  GPU, fp32 on CPU) through FSDP2's ``MixedPrecisionPolicy`` when sharded, ``torch.autocast`` on one rank.
 - Sharding: with ``WORLD_SIZE > 1`` every decoder layer (the model's ``_no_split_modules``) and then the
   root get ``fully_shard``. Gradients are summed across ranks by scaling each rank's loss by the world
   size (FSDP2 averages), so N ranks compute the same update as one.
 - Micro-batches are right-padded ``[b, L]`` batches; every rank runs the same number of forward/backward
   passes (the count is all-reduced and short ranks run zero-weight dummy passes), as FSDP requires.
-- Activation checkpointing (HF ``gradient_checkpointing_enable``) only when ``torch_recompute`` is set:
-  the recipe's ``recompute_*`` defaults are Megatron's and would slow small torch runs for nothing.
+- Activation checkpointing (HF ``gradient_checkpointing_enable``) when ``torch_activation_checkpointing``
+  is set (the recipe's ``recompute_*`` fields are Megatron's). ``attention_dropout`` goes into the HF
+  config; the HF models have no hidden dropout, so ``hidden_dropout > 0`` is a ConfigError here.
 - Loss: :func:`raygym.algo.rl_loss` (the one RL loss, shared with the Megatron backend).
 - Checkpoints: each rank's own FSDP2 shards (DTensors of ``get_model_state_dict`` /
   ``get_optimizer_state_dict``), written by ``raygym.sharded_checkpoint`` with
@@ -21,7 +22,6 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -40,11 +40,13 @@ from raygym.algo.batching import (
 from raygym.algo.losses import entropy_from_logits
 from raygym.algo.rl_loss import RLLossConfig, rl_loss
 from raygym.builtin import resolve_model_path
+from raygym.config.recipe import Recipe
 from raygym.errors import ConfigError
 from raygym.trainer.backend import (
     TrainerBackend,
     TrainerSettings,
     call_hook,
+    check_declared_architecture,
     check_policy_batch,
     dist_env,
     reference_model_path,
@@ -54,26 +56,29 @@ from raygym.trainer.contract import CheckpointState, LogProbResult, advantage_st
 from raygym.trainer.optim import LrSchedule, build_optimizer, split_frozen
 
 
-def reuses_current_log_probs(cfg: Any) -> bool:
-    """Whether the separate old-log-prob forward pass is redundant for ``cfg`` (a ``Recipe`` or
-    ``TrainerSettings``): with one optimizer step per rollout the old (pre-update) policy IS the current
-    one, so ``old_log_probs == current log-probs.detach()`` (ratio 1) — provided nothing else needs them
-    before training: no KL loss or reward KL (reference pass), no TIS, no PPO critic, no log-prob hook.
+def reuses_current_log_probs(s: TrainerSettings) -> bool:
+    """Whether the separate old-log-prob forward pass is redundant: with one optimizer step per rollout
+    the old (pre-update) policy IS the current one, so ``old_log_probs == current log-probs.detach()``
+    (ratio 1) — provided nothing else needs them before training: no KL loss or reward KL (reference
+    pass), no TIS, no PPO critic, no log-prob hook.
 
-    >>> from raygym.trainer.backend import TrainerSettings
-    >>> reuses_current_log_probs(TrainerSettings(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8))
+    >>> from raygym.config import ModelConfig, Recipe, TrainConfig
+    >>> def settings(**fields):
+    ...     cfg = TrainConfig(recipe=Recipe(**fields), model=ModelConfig(hf_checkpoint="m"))
+    ...     return TrainerSettings.from_config(cfg)
+    >>> reuses_current_log_probs(settings(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8))
     True
-    >>> reuses_current_log_probs(TrainerSettings(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=4))
+    >>> reuses_current_log_probs(settings(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=4))
     False
     """
     return (
-        cfg.global_batch_size == cfg.rollout_batch_size * cfg.n_samples_per_prompt
-        and not cfg.use_kl_loss
-        and cfg.kl_coef == 0.0
-        and not cfg.use_tis
-        and cfg.advantage_estimator != "ppo"
-        and not getattr(cfg, "use_critic", False)
-        and not getattr(cfg, "custom_megatron_before_log_prob_hook", None)
+        s.global_batch_size == s.rollout_batch_size * s.n_samples_per_prompt
+        and not s.use_kl_loss
+        and s.kl_coef == 0.0
+        and not s.use_tis
+        and s.advantage_estimator != "ppo"
+        and not s.use_critic
+        and not s.custom_megatron_before_log_prob_hook
     )
 
 
@@ -92,13 +97,35 @@ def cpu_training_threads(cores: int, local_ranks: int, busy_cores: int = 0) -> i
     return max(1, (cores - busy_cores) // max(1, local_ranks))
 
 
-def overlapping_engine_threads(recipe: Any) -> int:
+def overlapping_engine_threads(recipe: Recipe | None) -> int:
     """CPU threads of the engines that decode while this trainer trains: in ``async_mode`` (not
     colocated) every raygym CPU server's one thread (``raygym.rollout.server --num-threads`` default);
     otherwise 0, as the engines are idle during a synchronous train step."""
-    if recipe is None or not getattr(recipe, "async_mode", False) or getattr(recipe, "colocate", False):
+    if recipe is None or not recipe.async_mode or recipe.colocate:
         return 0
     return recipe.gpu_allocation().rollout_engines
+
+
+def compute_dtype(dtype: str, *, cuda: bool) -> torch.dtype:
+    """The torch backend's compute dtype for ``model.dtype`` (weights stay float32): ``auto`` is bfloat16 on
+    a GPU and float32 on CPU; float16 (no loss scaling here) and half precision on CPU are ConfigErrors.
+
+    >>> compute_dtype("auto", cuda=True), compute_dtype("auto", cuda=False), compute_dtype("float32", cuda=True)
+    (torch.bfloat16, torch.float32, torch.float32)
+    """
+    if dtype == "float16":
+        raise ConfigError(
+            "dtype='float16': the torch backend has no loss scaling, which float16 training needs; use "
+            "dtype='bfloat16' (or the megatron backend)"
+        )
+    if dtype == "auto":
+        return torch.bfloat16 if cuda else torch.float32
+    if dtype == "bfloat16" and not cuda:
+        raise ConfigError(
+            "dtype='bfloat16': the torch backend computes in float32 on CPU; set dtype='auto' or 'float32', "
+            "or train on a GPU"
+        )
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
 
 
 def has_active_dropout(model: torch.nn.Module) -> bool:
@@ -129,7 +156,7 @@ def pad_stack(rows: list[torch.Tensor], width: int, value: float = 0.0) -> torch
 class TorchBackend(TrainerBackend):
     """``TrainerBackend`` on HF transformers + FSDP2. See the module docstring.
 
-    >>> # backend = TorchBackend(TrainerSettings(hf_checkpoint=path, global_batch_size=4)); backend.init()
+    >>> # backend = TorchBackend(TrainerSettings.from_config(cfg)); backend.init()
     """
 
     ROLE = "actor"
@@ -151,18 +178,24 @@ class TorchBackend(TrainerBackend):
         self.frozen: list[str] = []
         self.offloaded = False
         self.single_pass = False  # train_step may use its own detached log-probs as the old ones
-        self.loss_config = RLLossConfig.from_settings(settings)
+        self.loss_config = RLLossConfig.from_recipe(settings.recipe)
+        if settings.hidden_dropout > 0.0:
+            raise ConfigError(
+                f"hidden_dropout={settings.hidden_dropout}: the torch backend's HF models have no hidden dropout; "
+                "set hidden_dropout=0 (attention_dropout works) or use trainer_backend='megatron'"
+            )
 
     # ---- setup -------------------------------------------------------------------------------------
     def init(self) -> dict[str, Any]:
         s = self.settings
         self.rank, self.world_size, local_rank = dist_env()
         self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        self.compute_dtype = compute_dtype(s.dtype, cuda=self.device.type == "cuda")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-            if getattr(self.settings.recipe, "use_critic", False):
+            if s.use_critic:
                 local_ranks *= 2  # the policy's and the critic's ranks train at the same time
             busy = overlapping_engine_threads(self.settings.recipe)
             torch.set_num_threads(cpu_training_threads(len(os.sched_getaffinity(0)), local_ranks, busy))
@@ -171,13 +204,14 @@ class TorchBackend(TrainerBackend):
                 backend="nccl" if self.device.type == "cuda" else "gloo",
                 rank=self.rank,
                 world_size=self.world_size,
-                timeout=datetime.timedelta(seconds=s.dist_timeout_s),
+                timeout=s.dist_timeout,
             )
         torch.manual_seed(s.seed)
         self.model_path = resolve_model_path(s.hf_checkpoint)
         self.model = self._build_model(self.model_path)
+        check_declared_architecture(s, self.model.config.to_dict())
         _, self.frozen = split_frozen(self.model.named_parameters(), s.freeze_params_name_list)
-        if s.torch_recompute:
+        if s.torch_activation_checkpointing:
             self._enable_recompute()
         self._shard(self.model)
         trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -222,6 +256,20 @@ class TorchBackend(TrainerBackend):
         """The trained model of this role, on ``self.device``, fp32, not yet sharded."""
         return self._load_model(path, trainable=True)
 
+    def _hf_config(self, path: str) -> Any:
+        """The checkpoint's HF config with the recipe's ``attention_dropout`` (ConfigError when it has none)."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        if not hasattr(config, "attention_dropout") and self.settings.attention_dropout > 0.0:
+            raise ConfigError(
+                f"attention_dropout={self.settings.attention_dropout}: the {config.model_type} model of {path} has "
+                "no attention dropout in its config; set attention_dropout=0 or use trainer_backend='megatron'"
+            )
+        if hasattr(config, "attention_dropout"):
+            config.attention_dropout = self.settings.attention_dropout
+        return config
+
     def _base_lr(self) -> float:
         return self.settings.lr
 
@@ -231,7 +279,8 @@ class TorchBackend(TrainerBackend):
     def _load_model(self, path: str, trainable: bool) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(path, config=self._hf_config(path), dtype=torch.float32,
+                                                     attn_implementation="sdpa")
         model.config.use_cache = False
         model.to(self.device)
         if not trainable:
@@ -245,8 +294,8 @@ class TorchBackend(TrainerBackend):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if self.device.type == "cuda"
+            MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+            if self.compute_dtype != torch.float32
             else MixedPrecisionPolicy()
         )
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])
@@ -256,8 +305,8 @@ class TorchBackend(TrainerBackend):
         fully_shard(model, mp_policy=mp)
 
     def _autocast(self):
-        if self.device.type == "cuda" and self.world_size == 1:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.compute_dtype != torch.float32 and self.world_size == 1:
+            return torch.autocast(self.device.type, dtype=self.compute_dtype)
         return nullcontext()
 
     # ---- forward -------------------------------------------------------------------------------------
