@@ -473,7 +473,7 @@ class TorchBackend(TrainerBackend):
         ``_micro_batch_loss`` returns the micro-batch's share of the global loss (global denominators),
         so the accumulated gradient equals that of the whole step at once."""
         s = self.settings
-        per_token = s.calculate_per_token_loss
+        per_token = self.loss_config.per_token
         num_samples = len(step_batch)  # global: every rank sees the whole step
         num_tokens = step_batch.num_loss_tokens()
         local = step_batch.shard(self.rank, self.world_size, balance=s.balance_data)

@@ -155,7 +155,8 @@ def test_value_clip_comes_from_a_value_clip_field_else_eps_clip():
 def _critic_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
     join_local_world(rank, world, port)
     critic = TorchCriticBackend(
-        settings_for(path, max_tokens_per_gpu=30, balance_data=True, distributed_timeout_minutes=2)
+        settings_for(path, max_tokens_per_gpu=30, balance_data=True, distributed_timeout_minutes=2,
+                     actor_num_gpus_per_node=world)
     )
     critic.init()
     batch = make_batch(seed=4)

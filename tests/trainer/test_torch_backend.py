@@ -22,8 +22,9 @@ def params_of(backend: TorchBackend) -> dict[str, torch.Tensor]:
 
 
 def test_loss_decreases_on_a_fixed_batch(tiny_model_path):
-    # Huge clip bounds turn the clipped surrogate into plain policy gradient, so the loss must fall.
-    backend = TorchBackend(settings_for(tiny_model_path, eps_clip=100.0, eps_clip_high=100.0, lr=3e-3))
+    # Clip bounds that never bind (ratio in (0, 101]) turn the clipped surrogate into plain policy gradient,
+    # so the loss must fall.
+    backend = TorchBackend(settings_for(tiny_model_path, eps_clip=1.0, eps_clip_high=100.0, lr=3e-3))
     backend.init()
     batch = prepared(backend, make_batch())
     losses = [backend.train_step(batch, rollout_id=i)["train/pg_loss"] for i in range(6)]
@@ -86,7 +87,8 @@ def _fsdp_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
 
     join_local_world(rank, world, port)
     backend = TorchBackend(
-        settings_for(path, lr=1e-4, max_tokens_per_gpu=30, balance_data=True, distributed_timeout_minutes=2)
+        settings_for(path, lr=1e-4, max_tokens_per_gpu=30, balance_data=True, distributed_timeout_minutes=2,
+                     actor_num_gpus_per_node=world)
     )
     backend.init()
     metrics = backend.train_step(prepared(backend, make_batch(seed=3)), rollout_id=0)
