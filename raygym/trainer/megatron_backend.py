@@ -101,7 +101,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         """Join the world, build the sharded model, load the HF checkpoint, build the optimizer."""
         require_megatron()
         from raygym.builtin import resolve_model_path
-        from raygym.trainer.torch_backend import reuses_current_log_probs
+        from raygym.trainer.decisions import reuses_current_log_probs
 
         cuda = torch.cuda.is_available()
         if self.role != "actor":
@@ -154,7 +154,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         }
 
     def _set_cpu_threads(self) -> None:
-        from raygym.trainer.torch_backend import cpu_training_threads, overlapping_engine_threads
+        from raygym.trainer.decisions import cpu_training_threads, overlapping_engine_threads
 
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         busy = overlapping_engine_threads(self.settings.recipe)

@@ -14,6 +14,7 @@ from raygym.config import Recipe
 from raygym.distill import TeacherActor, distill_advantages, reverse_kl_per_token
 from raygym.envs import Environment, EpisodeRunner, Step
 from raygym.judge import JudgeClient, JudgeSettings
+from raygym.presets import tiny
 from raygym.rollout.client import EngineClient
 from raygym.rollout.engine import EngineActor
 from raygym.rollout.tasks import sample_metrics
@@ -23,7 +24,7 @@ from raygym.types import Sample
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_path, tmp_path_factory):
-    actor = EngineActor({"seed": 3, "sglang_max_running_requests": 64}, 0, tiny_model_path, [], "127.0.0.1",
+    actor = EngineActor(tiny().replace(seed=3, sglang_max_running_requests=64), 0, tiny_model_path, [], "127.0.0.1",
                         "raygym", startup_timeout=180.0, device="cpu", log_dir=str(tmp_path_factory.mktemp("logs")))
     url = actor.start()
     yield url
