@@ -137,13 +137,17 @@ def worker(model_dir: str, out_dir: str, repeats: int) -> None:
     import torch.distributed as dist
     from transformers import Qwen3ForCausalLM  # noqa: F401  (the code, not the state, before the baseline)
 
+    from raygym.config import ModelConfig, Recipe, TrainConfig
     from raygym.trainer import TrainerSettings
     from raygym.trainer.torch_backend import TorchBackend
 
     if int(os.environ["WORLD_SIZE"]) > 1:  # joining the world is not training state: before the baseline
         dist.init_process_group("gloo")
     base_rss = reset_peak()
-    backend = TorchBackend(TrainerSettings(hf_checkpoint=model_dir, lr=1e-4, weight_decay=0.0, dist_timeout_s=1800))
+    recipe = Recipe(actor_num_gpus_per_node=int(os.environ["WORLD_SIZE"]), lr=1e-4, weight_decay=0.0,
+                    distributed_timeout_minutes=30)
+    cfg = TrainConfig(recipe=recipe, model=ModelConfig(hf_checkpoint=model_dir))
+    backend = TorchBackend(TrainerSettings.from_config(cfg))
     backend.init()
     backend.checkpoint_state(include_optimizer=True)  # creates the (sharded) AdamW state, as a step would
     world = backend.world_size

@@ -91,19 +91,23 @@ def make_batch(n: int, prompt_len: int, response_len: int, vocab: int, seed: int
     return batch
 
 
-def settings_for(path: str, args):
+def settings_for(path: str, args, **recipe_fields):
+    from raygym.config import ModelConfig, Recipe, TrainConfig
     from raygym.trainer.backend import TrainerSettings
 
-    return TrainerSettings(hf_checkpoint=path, lr=1e-6, global_batch_size=args.samples // 2,
-                           max_tokens_per_gpu=args.max_tokens, rollout_temperature=1.0, seed=1234)
+    # samples in groups of 4, two optimizer steps per train step, one rank
+    recipe = Recipe(actor_num_gpus_per_node=1, colocate=False, rollout_num_gpus=1, lr=1e-6,
+                    rollout_batch_size=args.samples // 4, n_samples_per_prompt=4, global_batch_size=args.samples // 2,
+                    max_tokens_per_gpu=args.max_tokens, rollout_temperature=1.0, seed=1234, **recipe_fields)
+    return TrainerSettings.from_config(TrainConfig(recipe=recipe, model=ModelConfig(hf_checkpoint=path)))
 
 
 def run_megatron(path: str, qkv_format: str, args, batch) -> tuple[object, list[torch.Tensor]]:
-    from raygym.trainer.megatron_backend import MegatronBackend, MegatronOptions
+    from raygym.trainer.megatron_backend import MegatronBackend
 
-    opts = MegatronOptions(qkv_format=qkv_format, params_dtype="bfloat16", recompute_granularity="full",
-                           recompute_method="uniform", recompute_num_layers=1)
-    backend = MegatronBackend(settings_for(path, args), opts)
+    settings = settings_for(path, args, trainer_backend="megatron", qkv_format=qkv_format, recompute_granularity="full",
+                            recompute_method="uniform", recompute_num_layers=1)
+    backend = MegatronBackend(settings)
     t = time.time()
     facts = backend.init()
     emit(f"megatron_{qkv_format}_init_s", round(time.time() - t, 2), facts=facts)

@@ -50,11 +50,12 @@ async def _drive(send, texts: list[str], concurrency: int) -> float:
 
 
 def direct_seconds(model_dir: str, texts: list[str], new_tokens: int, concurrency: int) -> float:
+    from raygym.presets import tiny
     from raygym.rollout.client import EngineClient
     from raygym.rollout.engine import EngineActor
 
     tok = build_tokenizer()
-    engine = EngineActor({"sglang_max_running_requests": 64}, engine_index=0, model_path=model_dir, gpu_ids=[],
+    engine = EngineActor(tiny().replace(sglang_max_running_requests=64), engine_index=0, model_path=model_dir, gpu_ids=[],
                          backend="raygym", device="cpu", log_dir=tempfile.mkdtemp(prefix="bench-serve-"))
     engine.start()
     try:

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from raygym.config import ModelConfig, Recipe, TrainConfig  # noqa: E402
 from raygym.trainer import TrainBatch, TrainerSettings  # noqa: E402
 from raygym.trainer.torch_backend import TorchBackend  # noqa: E402
 from raygym.types import Sample  # noqa: E402
@@ -92,24 +93,29 @@ def emit(row: dict) -> None:
     print(json.dumps(row), flush=True)
 
 
+def one_rank_settings(path: str, **recipe_fields) -> TrainerSettings:
+    """The trainer's view of a one-rank recipe of ``recipe_fields`` on the model at ``path``."""
+    recipe = Recipe(actor_num_gpus_per_node=1, colocate=False, rollout_num_gpus=1, **recipe_fields)
+    return TrainerSettings.from_config(TrainConfig(recipe=recipe, model=ModelConfig(hf_checkpoint=path)))
+
+
 def cpu_figures(repeats: int, samples: int) -> None:
     from raygym.builtin import TINY_MODEL, materialize_model
 
     path = materialize_model(TINY_MODEL, os.path.join(tempfile.gettempdir(), "raygym-bench-models"))
     batch = mixed_batch(samples, vocab=40, min_len=8, max_len=190, group_size=8)
     common = dict(
-        hf_checkpoint=path,
         lr=1e-5,
         global_batch_size=samples,
         rollout_batch_size=samples // 8,
         n_samples_per_prompt=8,
     )
     dynamic = measure(
-        TrainerSettings(use_dynamic_batch_size=True, max_tokens_per_gpu=2048, **common), batch, repeats
+        one_rank_settings(path, use_dynamic_batch_size=True, max_tokens_per_gpu=2048, **common), batch, repeats
     )
     for mbs in (1, 8):
         fixed = measure(
-            TrainerSettings(use_dynamic_batch_size=False, micro_batch_size=mbs, **common), batch, repeats
+            one_rank_settings(path, use_dynamic_batch_size=False, micro_batch_size=mbs, **common), batch, repeats
         )
         emit(
             {
@@ -155,28 +161,11 @@ def gpu_figures(repeats: int) -> None:
     with tempfile.TemporaryDirectory() as d:
         path = qwen3_0_6b_random(d)
         batch = mixed_batch(64, vocab=150000, min_len=128, max_len=2048, group_size=8)
-        settings = TrainerSettings(
-            hf_checkpoint=path,
-            lr=1e-6,
-            global_batch_size=64,
-            rollout_batch_size=8,
-            n_samples_per_prompt=8,
-            use_dynamic_batch_size=True,
-            max_tokens_per_gpu=16384,
-        )
-        dyn = measure(settings, batch, repeats)
-        fixed = measure(
-            TrainerSettings(
-                **{
-                    **settings.__dict__,
-                    "use_dynamic_batch_size": False,
-                    "micro_batch_size": 4,
-                    "recipe": None,
-                }
-            ),
-            batch,
-            repeats,
-        )
+        common = dict(lr=1e-6, global_batch_size=64, rollout_batch_size=8, n_samples_per_prompt=8)
+        dyn = measure(one_rank_settings(path, use_dynamic_batch_size=True, max_tokens_per_gpu=16384, **common),
+                      batch, repeats)
+        fixed = measure(one_rank_settings(path, use_dynamic_batch_size=False, micro_batch_size=4, **common),
+                        batch, repeats)
     mfu = 6 * dyn["params"] * dyn["tokens_per_s"] / (peak * 1e12) if peak else None
     emit(
         {

@@ -27,9 +27,12 @@ import random
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from raygym.errors import ConfigError
+
+if TYPE_CHECKING:
+    from raygym.config.run import TrainConfig
 
 PROMPT_LEN_POLICIES = ("filter", "truncate")
 
@@ -302,49 +305,33 @@ class PromptDataset:
         self._order = self._epoch_order(epoch)
 
 
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    return getattr(obj, name, default) if obj is not None else default
-
-
-def dataset_options(cfg: Any) -> dict[str, Any]:
+def dataset_options(cfg: TrainConfig) -> dict[str, Any]:
     """PromptDataset keyword arguments from a ``TrainConfig`` (dataset + recipe fields)."""
-    ds, recipe = _get(cfg, "dataset"), _get(cfg, "recipe")
-    kwargs = _get(ds, "apply_chat_template_kwargs") or _get(recipe, "apply_chat_template_kwargs")
+    ds, recipe = cfg.dataset, cfg.recipe
     return {
-        "input_key": _get(ds, "input_key", "prompt"),
-        "label_key": _get(ds, "label_key", "label"),
-        "metadata_key": _get(ds, "metadata_key", "metadata"),
-        "apply_chat_template": bool(_get(ds, "apply_chat_template", False)),
-        "apply_chat_template_kwargs": kwargs,
-        "max_prompt_len": _get(recipe, "rollout_max_prompt_len"),
-        "shuffle": bool(_get(recipe, "rollout_shuffle", True)),
-        "seed": int(_get(recipe, "seed", 1234)),
+        "input_key": ds.input_key,
+        "label_key": ds.label_key,
+        "metadata_key": ds.metadata_key,
+        "apply_chat_template": ds.apply_chat_template,
+        "apply_chat_template_kwargs": cfg.chat_template_kwargs(),
+        "max_prompt_len": recipe.rollout_max_prompt_len,
+        "shuffle": recipe.rollout_shuffle,
+        "seed": recipe.seed,
     }
 
 
-def dataset_from_config(cfg: Any, tokenizer: Any, cache_dir: str | None = None) -> PromptDataset:
+def dataset_from_config(cfg: TrainConfig, tokenizer: Any, cache_dir: str | None = None) -> PromptDataset:
     """The training prompt dataset of a ``TrainConfig`` (``cfg.dataset.prompt_data``)."""
-    ds = _get(cfg, "dataset")
-    url = _get(ds, "prompt_data")
-    if not url:
-        raise ConfigError("dataset.prompt_data is empty: set it to a jsonl/parquet URL or 'builtin:next-digit'")
-    return PromptDataset.from_url(str(url), tokenizer, fmt=_get(ds, "format"), cache_dir=cache_dir,
+    return PromptDataset.from_url(cfg.dataset.prompt_data, tokenizer, fmt=cfg.dataset.format, cache_dir=cache_dir,
                                   **dataset_options(cfg))
 
 
-def eval_dataset_urls(cfg: Any) -> dict[str, str]:
-    """name -> URL of the eval datasets: ``cfg.dataset.eval_prompt_data`` (a dict, or a flat list
-    ``[name, url, name, url, ...]`` as slime writes it) plus ``recipe.eval_config["datasets"]``."""
-    urls: dict[str, str] = {}
-    raw = _get(_get(cfg, "dataset"), "eval_prompt_data") or _get(_get(cfg, "dataset"), "eval_datasets")
-    if isinstance(raw, Mapping):
-        urls.update({str(k): str(v) for k, v in raw.items()})
-    elif isinstance(raw, (list, tuple)):
-        if len(raw) % 2:
-            raise ConfigError(f"eval_prompt_data={raw!r}: must alternate name and URL")
-        urls.update({str(raw[i]): str(raw[i + 1]) for i in range(0, len(raw), 2)})
-    eval_config = _get(_get(cfg, "recipe"), "eval_config") or {}
-    for entry in eval_config.get("datasets", []) if isinstance(eval_config, Mapping) else []:
+def eval_dataset_urls(cfg: TrainConfig) -> dict[str, str]:
+    """name -> URL of the eval datasets: ``cfg.dataset.eval_prompt_data`` plus ``recipe.eval_config["datasets"]``
+    (a list of ``{"name", "path"}``)."""
+    urls = dict(cfg.dataset.eval_prompt_data)
+    eval_config = cfg.recipe.eval_config or {}
+    for entry in eval_config.get("datasets", []):
         if not isinstance(entry, Mapping) or "name" not in entry or "path" not in entry:
             raise ConfigError(f"eval_config datasets entry {entry!r}: needs 'name' and 'path'")
         urls[str(entry["name"])] = str(entry["path"])

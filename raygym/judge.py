@@ -26,29 +26,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from raygym.config.recipe import Recipe
+from raygym.config.views import build_view, recipe_view
 from raygym.types import Sample
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+@recipe_view()
 @dataclass(frozen=True)
 class JudgeSettings:
-    """The recipe's ``judge_*`` fields, typed."""
+    """The recipe's ``judge_*`` fields the judge client reads (see :mod:`raygym.config.views`)."""
 
-    prompt_template: str
-    max_response_len: int = 16
-    score_min: float = 0.0
-    score_max: float = 10.0
-    failure_score: float = 0.0
-    batch_size: int = 32
-    cache_size: int = 4096
+    judge_prompt_template: str
+    judge_max_response_len: int
+    judge_score_min: float
+    judge_score_max: float
+    judge_failure_score: float
+    judge_batch_size: int
+    judge_cache_size: int
 
     @classmethod
-    def from_recipe(cls, recipe: Any) -> JudgeSettings:
-        return cls(prompt_template=recipe.judge_prompt_template, max_response_len=recipe.judge_max_response_len,
-                   score_min=recipe.judge_score_min, score_max=recipe.judge_score_max,
-                   failure_score=recipe.judge_failure_score, batch_size=recipe.judge_batch_size,
-                   cache_size=recipe.judge_cache_size)
+    def from_recipe(cls, recipe: Recipe) -> JudgeSettings:
+        return build_view(cls, recipe)
 
 
 def parse_score(text: str, low: float, high: float) -> float | None:
@@ -66,7 +66,7 @@ def parse_score(text: str, low: float, high: float) -> float | None:
 def render_prompt(settings: JudgeSettings, tokenizer: Any, prompt: Any, response: str, label: Any) -> list[int]:
     """Token ids of the judge prompt for one sample (chat template applied when the tokenizer has one)."""
     prompt_text = prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt)
-    text = settings.prompt_template.format(prompt=prompt_text, response=response,
+    text = settings.judge_prompt_template.format(prompt=prompt_text, response=response,
                                            label="" if label is None else label)
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -128,14 +128,14 @@ class JudgeClient:
             answer = await self._submit(ids)
         except Exception:  # an unreachable judge must not stop the run: the failure score, counted
             self._counts["errors"] += 1
-            return self.settings.failure_score
-        value = parse_score(answer, self.settings.score_min, self.settings.score_max)
+            return self.settings.judge_failure_score
+        value = parse_score(answer, self.settings.judge_score_min, self.settings.judge_score_max)
         if value is None:
             self._counts["parse_failures"] += 1
-            value = self.settings.failure_score
-        if self.settings.cache_size:
+            value = self.settings.judge_failure_score
+        if self.settings.judge_cache_size:
             self._cache[key] = value
-            while len(self._cache) > self.settings.cache_size:
+            while len(self._cache) > self.settings.judge_cache_size:
                 self._cache.popitem(last=False)
         return value
 
@@ -143,7 +143,7 @@ class JudgeClient:
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._queue.append((ids, future))
         self._counts["requests"] += 1
-        if len(self._queue) >= self.settings.batch_size:
+        if len(self._queue) >= self.settings.judge_batch_size:
             self._flush_now()
         elif self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_later())
@@ -155,7 +155,7 @@ class JudgeClient:
 
     def _flush_now(self) -> None:
         while self._queue:
-            batch, self._queue = self._queue[: self.settings.batch_size], self._queue[self.settings.batch_size:]
+            batch, self._queue = self._queue[: self.settings.judge_batch_size], self._queue[self.settings.judge_batch_size:]
             asyncio.create_task(self._send(batch))
 
     async def _send(self, batch: list[tuple[list[int], asyncio.Future[str]]]) -> None:
@@ -163,7 +163,7 @@ class JudgeClient:
             await self._ensure_clients()
             client = self._clients[self._next % len(self._clients)]
             self._next += 1
-            params = {"temperature": 0.0, "max_new_tokens": self.settings.max_response_len}
+            params = {"temperature": 0.0, "max_new_tokens": self.settings.judge_max_response_len}
             answers = await client.generate({"input_ids": [ids for ids, _ in batch],
                                              "sampling_params": [params] * len(batch)})
             self._counts["batches"] += 1

@@ -21,7 +21,10 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raygym.config.run import MetricsConfig
 
 REQUIRED_STEP_KEYS = (
     "rollout/reward_mean",
@@ -81,7 +84,7 @@ class MetricsLogger:
     def __init__(
         self,
         output_dir: str | os.PathLike,
-        metrics_config: Any = None,
+        metrics_config: MetricsConfig | None = None,
         *,
         run_id: str = "",
         config_dict: Mapping[str, Any] | None = None,
@@ -101,9 +104,9 @@ class MetricsLogger:
         self._wandb = None
         self._tb = None
         mc = metrics_config
-        if mc is not None and getattr(mc, "wandb_project", None):
+        if mc is not None and mc.wandb_project:
             self._wandb = self._start_wandb(mc, run_id, config_dict)
-        if mc is not None and getattr(mc, "tensorboard_dir", None):
+        if mc is not None and mc.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` extra
 
             self._tb = SummaryWriter(log_dir=str(mc.tensorboard_dir))
@@ -119,7 +122,7 @@ class MetricsLogger:
         return rows
 
     @staticmethod
-    def _start_wandb(mc: Any, run_id: str, config_dict: Mapping[str, Any] | None):
+    def _start_wandb(mc: MetricsConfig, run_id: str, config_dict: Mapping[str, Any] | None):
         try:
             import wandb
         except ImportError as e:  # pragma: no cover - depends on the extra
@@ -131,11 +134,11 @@ class MetricsLogger:
             ) from e
         return wandb.init(
             project=mc.wandb_project,
-            group=getattr(mc, "wandb_group", None),
-            name=getattr(mc, "wandb_name", None) or run_id or None,
+            group=mc.wandb_group,
+            name=mc.wandb_name or run_id or None,
             id=run_id or None,
             resume="allow",
-            mode=getattr(mc, "wandb_mode", None) or None,
+            mode=mc.wandb_mode,
             config=dict(config_dict or {}),
         )
 

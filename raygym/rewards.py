@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raygym.callables import load_callable
 from raygym.config import RM_TYPES
@@ -51,6 +51,9 @@ from raygym.reward_signatures import (
     verl_arguments,
 )
 from raygym.types import Sample
+
+if TYPE_CHECKING:
+    from raygym.config import Recipe, TrainConfig
 
 _NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 _GSM8K_ANSWER = re.compile(r"####\s*(\S+)")
@@ -441,7 +444,7 @@ def reward_component_metrics(samples: Sequence[Sample], names: Sequence[str], pr
     return out
 
 
-def default_rm_type(recipe: Any, prompt_data: str | None) -> str | None:
+def default_rm_type(recipe: Recipe, prompt_data: str | None) -> str | None:
     """``recipe.rm_type``, or ``next_digit`` for the builtin next-digit task when no reward is set."""
     from raygym.builtin import NEXT_DIGIT_TASK
 
@@ -451,12 +454,10 @@ def default_rm_type(recipe: Any, prompt_data: str | None) -> str | None:
     return recipe.rm_type
 
 
-def reward_model_from_config(cfg: Any, executor: Executor | None = None) -> RewardModel:
-    """The :class:`RewardModel` of a ``TrainConfig`` (or a bare ``Recipe``): ``reward_functions``,
-    else ``custom_rm_function``, else ``rm_type`` (``next_digit`` for the builtin dataset when unset)."""
-    recipe = getattr(cfg, "recipe", cfg)
-    dataset = getattr(cfg, "dataset", None)
-    prompt_data = dataset.prompt_data if dataset is not None else None
-    return RewardModel(default_rm_type(recipe, prompt_data), recipe.custom_rm_function,
+def reward_model_from_config(cfg: TrainConfig, executor: Executor | None = None) -> RewardModel:
+    """The :class:`RewardModel` of a ``TrainConfig``: ``reward_functions``, else ``custom_rm_function``,
+    else ``rm_type`` (``next_digit`` for the builtin dataset when unset)."""
+    recipe = cfg.recipe
+    return RewardModel(default_rm_type(recipe, cfg.dataset.prompt_data), recipe.custom_rm_function,
                        recipe.custom_reward_post_process_function,
                        reward_functions=recipe.reward_functions, executor=executor)

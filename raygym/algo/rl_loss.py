@@ -12,7 +12,8 @@ ranks): ``loss`` (the total that is back-propagated), ``pg_loss``, ``entropy``, 
 (``use_kl_loss``), ``tis_weight`` (``use_tis``).
 
 >>> import torch
->>> cfg = RLLossConfig(entropy_coef=0.5)
+>>> from raygym.config import Recipe
+>>> cfg = RLLossConfig.from_recipe(Recipe(entropy_coef=0.5))
 >>> lp = torch.zeros(1, 2); mask = torch.ones(1, 2)
 >>> loss, m = rl_loss(lp, lp, torch.tensor([1.0]), mask, entropy=torch.ones(1, 2), config=cfg)
 >>> float(loss), float(m["pg_loss"]), float(m["entropy"]), cfg.metric_names()
@@ -22,12 +23,13 @@ ranks): ``loss`` (the total that is back-propagated), ``pg_loss``, ``entropy``, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from raygym.algo.kl import KL_KINDS
 from raygym.algo.losses import aggregate, kl_loss, policy_loss, tis_weights
+from raygym.config.recipe import Recipe
+from raygym.config.views import build_view, recipe_view
 from raygym.errors import ConfigError
 
 # Advantage estimators whose importance ratio is taken per sequence (GSPO); every other one is per token.
@@ -43,21 +45,23 @@ def ratio_level_for(advantage_estimator: str) -> str:
     return "sequence" if advantage_estimator in SEQUENCE_RATIO_ESTIMATORS else "token"
 
 
+@recipe_view(extras=("ratio_level", "per_token"))
 @dataclass(frozen=True)
 class RLLossConfig:
-    """The loss fields of a recipe (same names), plus the ratio level derived from the estimator."""
+    """The loss fields of a recipe (same names), plus the ratio level derived from the estimator and
+    ``per_token`` (``calculate_per_token_loss``). Build it with :meth:`from_recipe`."""
 
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.28
-    eps_clip_c: float | None = None
-    use_tis: bool = False
-    tis_clip: float = 2.0
-    use_kl_loss: bool = False
-    kl_loss_type: str = "low_var_kl"
-    kl_loss_coef: float = 0.0
-    entropy_coef: float = 0.0
-    ratio_level: str = "token"
-    per_token: bool = False
+    eps_clip: float
+    eps_clip_high: float
+    eps_clip_c: float | None
+    use_tis: bool
+    tis_clip: float
+    use_kl_loss: bool
+    kl_loss_type: str
+    kl_loss_coef: float
+    entropy_coef: float
+    ratio_level: str
+    per_token: bool
 
     def __post_init__(self) -> None:
         if self.ratio_level not in ("token", "sequence"):
@@ -66,21 +70,10 @@ class RLLossConfig:
             raise ConfigError(f"kl_loss_type={self.kl_loss_type!r}: use one of {', '.join(KL_KINDS)}")
 
     @classmethod
-    def from_settings(cls, settings: Any) -> RLLossConfig:
-        """From a ``TrainerSettings`` or a ``Recipe`` (both carry the recipe's field names)."""
-        return cls(
-            eps_clip=settings.eps_clip,
-            eps_clip_high=settings.eps_clip_high,
-            eps_clip_c=settings.eps_clip_c,
-            use_tis=settings.use_tis,
-            tis_clip=settings.tis_clip,
-            use_kl_loss=settings.use_kl_loss,
-            kl_loss_type=settings.kl_loss_type,
-            kl_loss_coef=settings.kl_loss_coef,
-            entropy_coef=settings.entropy_coef,
-            ratio_level=ratio_level_for(settings.advantage_estimator),
-            per_token=settings.calculate_per_token_loss,
-        )
+    def from_recipe(cls, recipe: Recipe) -> RLLossConfig:
+        """The loss view of a validated recipe."""
+        return build_view(cls, recipe, ratio_level=ratio_level_for(recipe.advantage_estimator),
+                          per_token=recipe.calculate_per_token_loss)
 
     def metric_names(self) -> tuple[str, ...]:
         """The metrics :func:`rl_loss` returns for this config, in a fixed order (for all-reduces)."""

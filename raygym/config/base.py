@@ -150,6 +150,16 @@ def check_no_secrets(field: str, env: Any) -> None:
                 )
 
 
+def check_unsupported(values: dict[str, Any], reasons: dict[str, str]) -> None:
+    """ConfigError for a field of ``reasons`` (name -> why raygym does not run it) set to a non-empty value
+    (every such field defaults to an empty one)."""
+    for field, reason in reasons.items():
+        if values[field]:
+            raise ConfigError(
+                f"{field}={values[field]!r}: not supported by raygym ({reason}); remove {flag_name(field)} from the config"
+            )
+
+
 def check_import_path(field: str, value: Any) -> None:
     if isinstance(value, str) and (not IMPORT_PATH.match(value) or ("." not in value and ":" not in value)):
         raise ConfigError(f"{field}={value!r}: not an import path; write it as 'pkg.module:function'")

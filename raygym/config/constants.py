@@ -37,12 +37,32 @@ RECIPE_POSITIVE = (
     "eval_max_response_len", "save_interval", "update_weight_buffer_size", "sglang_dp_size",
     "sglang_ep_size", "sglang_max_running_requests",
     "rollout_env_max_turns", "rollout_env_max_context_len", "judge_num_engines", "judge_num_gpus_per_engine",
-    "judge_max_response_len", "judge_batch_size", "distill_num_gpus",
+    "judge_max_response_len", "judge_batch_size", "distill_num_gpus", "distributed_timeout_minutes",
 )  # fmt: skip
 RECIPE_NON_NEGATIVE = (
     "start_rollout_id", "rollout_health_check_first_wait", "lr_warmup_iters", "update_weight_full_interval", "seed",
     "judge_cache_size",
 )  # fmt: skip
+
+# Fields the reference pages define that raygym does not run: a value other than the default (or an empty
+# one) is refused when the config is built, with the reason.
+UNSUPPORTED_RECIPE_FIELDS: dict[str, str] = {
+    "megatron_to_hf_mode": "raygym checkpoints always carry an HF export (iter_N/hf) written from the trainer's "
+    "HF-named weights; there is no Megatron-format checkpoint to convert",
+    "slime_model_script": "the Megatron backend builds the model from the checkpoint's config.json (Qwen3 and "
+    "Qwen3-MoE); no MODEL_ARGS script is read",
+    "source_hf_checkpoint": "the trainers, the rollout engines and the HF export all start from model.hf_checkpoint; "
+    "set --hf-checkpoint to that checkpoint instead",
+    "megatron_conversion_hf_checkpoint": "the Megatron backend loads model.hf_checkpoint's weights directly, with no "
+    "separate HF-to-Megatron conversion; set --hf-checkpoint to that checkpoint instead",
+    "multimodal_keys": "raygym's datasets, rollout and trainers handle text prompts only",
+}
+UNSUPPORTED_MODEL_FIELDS: dict[str, str] = {
+    "tokenizer": "the rollout engines, the rollout manager and the HF export all read the tokenizer files of "
+    "hf_checkpoint; put the tokenizer into the checkpoint directory instead",
+    "trust_remote_code": "raygym builds models from the classes transformers ships and never runs code that comes "
+    "with a checkpoint; use a checkpoint whose architecture transformers supports",
+}
 
 CUSTOM_FUNCTION_FIELDS = (
     "custom_rm_function",

@@ -101,6 +101,9 @@ class Recipe(Section):
     gamma: float = option(1.0, "Discount factor (PPO / GAE).")
     lambd: float = option(1.0, "GAE lambda (PPO).")
     critic_lr: float | None = option(None, "Critic learning rate; None uses lr.")
+    value_clip: float | None = option(
+        None, "PPO critic: clip range of the value loss around the old values; None = eps_clip, 0 = no clipping."
+    )
 
     # ── rollout ──
     num_rollout: int = option(1, "Training and rollout steps for the run.")
@@ -179,6 +182,14 @@ class Recipe(Section):
     recompute_granularity: str = option("full", "Activation recomputation granularity: 'full' or 'selective'.")
     recompute_method: str = option("uniform", "Recomputation method: 'uniform' or 'block'.")
     recompute_num_layers: int = option(1, "Layers per recomputation chunk.")
+    torch_activation_checkpointing: bool = option(
+        False,
+        "Torch backend: recompute each decoder layer's activations in backward (less memory, about a third "
+        "more compute). The recompute_* fields configure the Megatron backend.",
+    )
+    distributed_timeout_minutes: int = option(
+        10, "Minutes a trainer collective (its torch.distributed / Megatron process groups) may wait before failing."
+    )
 
     # ── dynamic batching ──
     use_dynamic_batch_size: bool = option(
@@ -206,15 +217,17 @@ class Recipe(Section):
     )
     no_load_optim: bool = option(False, "Do not load optimizer state when resuming.")
     megatron_to_hf_mode: str = option(
-        "", "Export mode for saved Megatron checkpoints. An empty value disables export."
+        "", "Export mode for saved Megatron checkpoints; not supported, leave empty (checkpoints always hold hf/)."
     )
     slime_model_script: str = option(
-        "", "Script that defines MODEL_ARGS in place of the model's architecture (megatron)."
+        "", "Script that defines MODEL_ARGS (megatron); not supported, leave empty (config.json is read)."
     )
-    source_hf_checkpoint: str | None = option(None, "Source checkpoint when it differs from the model's own.")
+    source_hf_checkpoint: str | None = option(
+        None, "Source checkpoint when it differs from the model's own; not supported, leave unset."
+    )
     megatron_conversion_hf_checkpoint: str | None = option(
         None,
-        "HF checkpoint used for the HF->Megatron conversion instead of the training model's own weights.",
+        "HF checkpoint for an HF->Megatron conversion; not supported, leave unset (hf_checkpoint is loaded).",
     )
 
     # ── weight sync ──
@@ -326,7 +339,9 @@ class Recipe(Section):
     apply_chat_template_kwargs: dict[str, Any] | str = option(
         "", "Keyword arguments for the tokenizer's apply_chat_template (a dict or JSON); '' = none."
     )
-    multimodal_keys: dict[str, Any] | str | None = option(None, "Multimodal dataset columns (a dict or JSON).")
+    multimodal_keys: dict[str, Any] | str | None = option(
+        None, "Multimodal dataset columns (a dict or JSON); not supported, leave unset (text prompts only)."
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -15,6 +15,7 @@ from raygym.config.base import (
     check_int,
     check_no_secrets,
     check_range,
+    check_unsupported,
     parse_json_object,
 )
 from raygym.config.constants import (
@@ -23,6 +24,7 @@ from raygym.config.constants import (
     RECIPE_NON_NEGATIVE,
     RECIPE_POSITIVE,
     RM_TYPES,
+    UNSUPPORTED_RECIPE_FIELDS,
 )
 from raygym.errors import ConfigError
 from raygym.rollout.capabilities import check_weight_sync
@@ -36,6 +38,7 @@ def validate_recipe(r: Recipe) -> None:
     """Every rule a Recipe must satisfy (run by its validator); ConfigError names field, value and fix."""
     for field, choices in RECIPE_CHOICES.items():
         check_choice(field, getattr(r, field), choices)
+    check_unsupported(r.field_values(), UNSUPPORTED_RECIPE_FIELDS)
     for field in RECIPE_POSITIVE:
         check_int(field, getattr(r, field), 1, optional=field in constants.OPTIONAL_RECIPE_FIELDS)
     for field in RECIPE_NON_NEGATIVE:
@@ -77,6 +80,7 @@ def check_ranges(r: Recipe) -> None:
     check_range("lr", r.lr, 0.0, math.inf)
     check_range("min_lr", r.min_lr, 0.0, r.lr)
     check_range("critic_lr", r.critic_lr, 0.0, math.inf)
+    check_range("value_clip", r.value_clip, 0.0, math.inf)
     check_range("weight_decay", r.weight_decay, 0.0, math.inf)
     check_range("adam_beta1", r.adam_beta1, 0.0, 1.0, high_open=True)
     check_range("adam_beta2", r.adam_beta2, 0.0, 1.0, high_open=True)

@@ -22,12 +22,13 @@ from raygym.config.base import (
     Section,
     check_choice,
     check_int,
+    check_unsupported,
     config_error_from,
     option,
     option_factory,
     parse_json_object,
 )
-from raygym.config.constants import CUSTOM_FUNCTION_FIELDS
+from raygym.config.constants import CUSTOM_FUNCTION_FIELDS, UNSUPPORTED_MODEL_FIELDS
 from raygym.config.recipe import Recipe
 from raygym.errors import ConfigError
 
@@ -42,14 +43,31 @@ class ModelConfig(Section):
     hf_checkpoint: str = option(
         ..., "HF checkpoint: a local path, an fsspec URL, an HF id or 'builtin:tiny-qwen3'."
     )
-    ref_checkpoint: str | None = option(None, "Reference model for KL terms; None = the initial policy weights.")
-    dtype: str = option("auto", "Parameter dtype: 'auto', 'bfloat16', 'float16' or 'float32'.")
-    tokenizer: str | None = option(None, "Tokenizer path or id; None = the checkpoint's own.")
-    trust_remote_code: bool = option(False, "Allow custom model code from the checkpoint.")
-    num_experts: int | None = option(None, "MoE experts per layer (None for dense models or unknown).")
-    moe_router_topk: int | None = option(None, "Experts each token is routed to (MoE).")
-    num_layers: int | None = option(None, "Transformer layers (optional; checked against pipeline parallelism).")
-    hidden_size: int | None = option(None, "Hidden size (optional; informational).")
+    ref_checkpoint: str | None = option(
+        None, "Reference model for KL terms when recipe.ref_load is empty; None = the initial policy weights."
+    )
+    dtype: str = option(
+        "auto",
+        "Trainer compute dtype: 'auto' (bfloat16 on GPU, float32 on CPU), 'bfloat16', 'float16' (Megatron "
+        "backend only) or 'float32'. The torch backend keeps float32 master weights; engines serve the "
+        "checkpoint's own dtype.",
+    )
+    tokenizer: str | None = option(
+        None, "Tokenizer path; not supported, leave unset: every part of a run uses the checkpoint's own."
+    )
+    trust_remote_code: bool = option(
+        False, "Run model code shipped with the checkpoint; not supported (raygym never runs it)."
+    )
+    num_experts: int | None = option(
+        None, "MoE experts per layer (None for dense models or unknown); checked against the checkpoint."
+    )
+    moe_router_topk: int | None = option(
+        None, "Experts each token is routed to (MoE); checked against the checkpoint."
+    )
+    num_layers: int | None = option(
+        None, "Transformer layers (optional; checked against pipeline parallelism and the checkpoint)."
+    )
+    hidden_size: int | None = option(None, "Hidden size (optional; checked against the checkpoint).")
 
     @model_validator(mode="after")
     def _validate(self) -> ModelConfig:
@@ -60,6 +78,7 @@ class ModelConfig(Section):
         check_choice("dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
         for field in ("num_experts", "moe_router_topk", "num_layers", "hidden_size"):
             check_int(field, getattr(self, field), 1, optional=True)
+        check_unsupported(self.field_values(), UNSUPPORTED_MODEL_FIELDS)
         return self
 
 

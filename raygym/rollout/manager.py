@@ -43,9 +43,11 @@ import inspect
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from raygym.config.base import CustomFunction
+from raygym.config.views import build_view, recipe_view
 from raygym.data import (
     PromptDataset,
     PromptRow,
@@ -54,7 +56,7 @@ from raygym.data import (
     eval_dataset_urls,
     load_eval_datasets,
 )
-from raygym.errors import ConfigError, RaygymError
+from raygym.errors import RaygymError
 from raygym.rewards import (
     RewardModel,
     load_callable,
@@ -67,53 +69,44 @@ from raygym.rollout.filters import GroupFilter, load_group_filter
 from raygym.rollout.health import ClientFactory, EnginePool
 from raygym.types import Sample
 
-
-def _field(cfg: Any, name: str, default: Any = None) -> Any:
-    recipe = getattr(cfg, "recipe", None)
-    value = getattr(recipe, name, None) if recipe is not None else None
-    return default if value is None else value
+if TYPE_CHECKING:
+    from raygym.config.run import TrainConfig
 
 
-@dataclass
+@recipe_view()
+@dataclass(frozen=True)
 class RolloutSettings:
-    """The recipe fields the rollout manager reads (spec names and defaults)."""
+    """The recipe fields the rollout manager reads (see :mod:`raygym.config.views`)."""
 
-    rollout_batch_size: int = 16
-    n_samples_per_prompt: int = 8
-    rollout_temperature: float = 1.0
-    rollout_top_p: float = 1.0
-    rollout_stop_token_ids: list[int] | None = None
-    rollout_max_response_len: int = 4096
-    sglang_request_params: dict[str, Any] = field(default_factory=dict)
-    over_sampling_batch_size: int = 0  # prompts per dynamic-sampling round (0 = only the missing groups)
-    dynamic_sampling_filter_path: Any = None
-    n_samples_per_eval_prompt: int = 4
-    eval_max_response_len: int = 4096
-    eval_top_p: float = 1.0
-    use_fault_tolerance: bool = True
-    rollout_health_check_interval: float = 30.0
-    rollout_health_check_timeout: float = 30.0
-    rollout_health_check_first_wait: float = 300.0
-    capture_trace: bool = False
-    trace_sample_limit: int = 16
-    custom_generate_function: Any = None
-    rollout_function: Any = None
-    rollout_env: Any = None  # raygym/envs: one episode per sample
-    rollout_env_max_turns: int = 4
-    rollout_env_max_context_len: int | None = None
+    rollout_batch_size: int
+    n_samples_per_prompt: int
+    rollout_temperature: float
+    rollout_top_p: float
+    rollout_stop_token_ids: list[int] | None
+    rollout_max_response_len: int
+    sglang_request_params: dict[str, Any] | None
+    over_sampling_batch_size: int | None  # prompts per dynamic-sampling round (None = only the missing groups)
+    dynamic_sampling_filter_path: str | None
+    n_samples_per_eval_prompt: int
+    eval_max_response_len: int
+    eval_top_p: float
+    use_fault_tolerance: bool
+    rollout_health_check_interval: int
+    rollout_health_check_timeout: int
+    rollout_health_check_first_wait: int
+    capture_trace: bool
+    trace_sample_limit: int
+    custom_generate_function: CustomFunction
+    rollout_function: CustomFunction
+    rollout_env: CustomFunction  # raygym/envs: one episode per sample
+    rollout_env_max_turns: int
+    rollout_env_max_context_len: int | None
+    seed: int
 
     @classmethod
-    def from_config(cls, cfg: Any) -> RolloutSettings:
-        """Read every field from ``cfg.recipe``; unset (None) fields keep the defaults above."""
-        defaults = cls()
-        values = {name: _field(cfg, name, getattr(defaults, name)) for name in cls.__dataclass_fields__}
-        settings = cls(**values)
-        if settings.rollout_batch_size <= 0 or settings.n_samples_per_prompt <= 0:
-            raise ConfigError(
-                f"rollout_batch_size={settings.rollout_batch_size}, n_samples_per_prompt="
-                f"{settings.n_samples_per_prompt}: both must be positive ints"
-            )
-        return settings
+    def from_config(cls, cfg: TrainConfig) -> RolloutSettings:
+        """The rollout view of ``cfg.recipe``."""
+        return build_view(cls, cfg.recipe)
 
 
 def derive_sampling_seed(seed: int, *key: Any) -> int:
@@ -160,7 +153,7 @@ class RolloutManager:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: TrainConfig,
         engine_handles: list[Any],
         tokenizer_path: str,
         *,
@@ -211,7 +204,6 @@ class RolloutManager:
         self._metrics: dict[str, float] = {}
         self._seen: list[Sample] = []  # every sample generated this step (kept or not)
         self._trace_budget = 0
-        self._seed = _field(cfg, "seed", None)  # None: engines draw their own seeds
         self._seed_scope: tuple[Any, ...] = ("rollout", 0)
         self._group_counter = 0  # groups requested in the current scope (names their seeds)
         self._eval_samples: dict[str, list[Sample]] = {}
@@ -360,7 +352,7 @@ class RolloutManager:
                              *, group_key: int | None = None) -> list[Sample]:
         """Generate and score ``n`` (default ``n_samples_per_prompt``) samples for one prompt.
 
-        With a recipe ``seed``, sample ``j`` is sent with ``sampling_seed`` derived from (seed, step
+        Sample ``j`` is sent with ``sampling_seed`` derived from (the recipe's ``seed``, step
         or eval scope, ``group_key``, j); ``group_key`` defaults to the order of the calls in the step."""
         n = n or self.settings.n_samples_per_prompt
         if group_key is None:
@@ -411,9 +403,9 @@ class RolloutManager:
         return groups
 
     def _seeded(self, params: dict[str, Any], group_key: int, sample_index: int) -> dict[str, Any]:
-        if self._seed is None or "sampling_seed" in params:
+        if "sampling_seed" in params:
             return params
-        seed = derive_sampling_seed(self._seed, *self._seed_scope, group_key, sample_index)
+        seed = derive_sampling_seed(self.settings.seed, *self._seed_scope, group_key, sample_index)
         return {**params, "sampling_seed": seed}
 
     # --- one training step ---------------------------------------------------------------------

@@ -8,15 +8,19 @@ metrics, and the teacher's scores.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raygym.callables import load_callable
 from raygym.errors import ConfigError
 from raygym.rewards import RewardModel
 from raygym.types import Sample
 
+if TYPE_CHECKING:
+    from raygym.config.run import TrainConfig
+    from raygym.rollout.manager import RolloutSettings
 
-def episode_runner(settings: Any, tokenizer: Any, custom_generate: Any) -> Any:
+
+def episode_runner(settings: RolloutSettings, tokenizer: Any, custom_generate: Any) -> Any:
     """An :class:`raygym.envs.EpisodeRunner` when ``rollout_env`` is set (else ``custom_generate``)."""
     factory = load_callable(settings.rollout_env, "rollout_env")
     if factory is None:
@@ -30,7 +34,7 @@ def episode_runner(settings: Any, tokenizer: Any, custom_generate: Any) -> Any:
                          max_context_len=settings.rollout_env_max_context_len)
 
 
-def task_reward_model(cfg: Any, judge: Any) -> RewardModel | None:
+def task_reward_model(cfg: TrainConfig, judge: Any) -> RewardModel | None:
     """The reward model of a judge run (``rm_type='judge'``) or of an environment run (``rm_type='env'``,
     or unset, with ``rollout_env``: the episode's reward); None = the usual
     :func:`raygym.rewards.reward_model_from_config` (with ``rollout_env`` and another ``rm_type`` that

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raygym.errors import ConfigError
 from raygym.trainer.backend import TrainerBackend, TrainerSettings
+
+if TYPE_CHECKING:
+    from raygym.config.run import TrainConfig
 
 BACKENDS = ("auto", "torch", "megatron")
 
@@ -94,13 +97,13 @@ def choose_backend(name: str, model_parallel: bool = False) -> str:
 
 def make_backend(name: str, settings: TrainerSettings, role: str) -> TrainerBackend:
     """The backend of ``role`` (``recipe.check_trainer_backend`` first: never a silent switch to torch)."""
-    from raygym.config import Recipe, megatron_installed
+    from raygym.config import megatron_installed
 
     recipe = settings.recipe
     if role == "critic":
         name = "torch"  # the PPO critic exists on the torch backend only (also beside a Megatron policy)
     model_parallel = False
-    if role != "critic" and isinstance(recipe, Recipe):
+    if role != "critic":
         recipe.check_trainer_backend(megatron_installed=megatron_installed())
         model_parallel = bool(recipe.model_parallel_requests())
     if choose_backend(name, model_parallel=model_parallel) == "megatron":
@@ -128,11 +131,13 @@ class TrainerActor:
     ``compute_values`` instead of policy log-probs, trains the value loss, and checkpoints under
     ``<save dir>/critic``.
 
-    ``settings`` overrides what is read from ``cfg`` (tests and tools pass ``TrainerSettings`` directly;
-    ``cfg`` may then be None).
+    ``settings``: the trainer's view of ``cfg`` when the caller built it already (tests and tools, with
+    ``TrainerSettings.from_config``); ``cfg`` may then be None.
     """
 
-    def __init__(self, cfg: Any = None, role: str = "actor", settings: TrainerSettings | None = None) -> None:
+    def __init__(
+        self, cfg: TrainConfig | None = None, role: str = "actor", settings: TrainerSettings | None = None
+    ) -> None:
         if settings is None:
             if cfg is None:
                 raise ConfigError("TrainerActor: pass a TrainConfig (cfg) or TrainerSettings")
@@ -140,15 +145,10 @@ class TrainerActor:
         self.cfg = cfg
         self.role = role
         self.settings = settings
-        recipe = settings.recipe
-        self.backend_name = getattr(recipe, "trainer_backend", "auto") if recipe is not None else "torch"
+        self.backend_name = settings.trainer_backend
         self.backend: TrainerBackend | None = None
         self._wsync: Any = None
         self._offloaded = False
-
-    def _recipe_value(self, name: str, default: Any) -> Any:
-        recipe = self.settings.recipe
-        return getattr(recipe, name, default) if recipe is not None else default
 
     def init(self) -> dict[str, Any]:
         self.backend = make_backend(self.backend_name, self.settings, self.role)
@@ -193,11 +193,11 @@ class TrainerActor:
         own shards (``raygym.sharded_checkpoint``). Returns the checkpoint's URL."""
         from raygym.sharded_checkpoint import save_sharded
 
-        target = save_dir or self._recipe_value("save", "")
+        target = save_dir or self.settings.save
         if not target:
             raise ConfigError("save='': no checkpoint directory; set save to a path or fsspec URL")
         backend = self.backend
-        state = backend.checkpoint_state(include_optimizer=not self._recipe_value("no_save_optim", False))
+        state = backend.checkpoint_state(include_optimizer=not self.settings.no_save_optim)
         return save_sharded(self._role_dir(target), rollout_id, state, rank=backend.rank,
                             world_size=backend.world_size, extra=extra, hf_source=backend.model_path)
 
@@ -211,7 +211,7 @@ class TrainerActor:
         """
         from raygym.checkpoint import list_checkpoints, resolve_start_rollout_id
 
-        source = load_dir or self._recipe_value("load", "")
+        source = load_dir or self.settings.load
         if not source:
             return None
         source = self._role_dir(source)
@@ -226,9 +226,9 @@ class TrainerActor:
         info = done[-1] if done else None
         if info is None:
             return None
-        load_optim = not self._recipe_value("no_load_optim", False)
+        load_optim = not self.settings.no_load_optim
         extra = self._load_into_backend(info.path, load_optim)
-        start = resolve_start_rollout_id(self._recipe_value("start_rollout_id", None), info.rollout_id)
+        start = resolve_start_rollout_id(self.settings.start_rollout_id, info.rollout_id)
         return {"rollout_id": info.rollout_id, "start_rollout_id": start, "extra": extra, "path": info.path}
 
     def _load_into_backend(self, path: str, load_optimizer: bool) -> dict[str, Any]:
@@ -306,5 +306,5 @@ class TrainerActor:
         return [lp.float().tolist() for lp in result["log_probs"]]
 
     def close_weight_sync(self) -> None:
-        if getattr(self, "_wsync", None) is not None:
+        if self._wsync is not None:
             self._wsync.close()

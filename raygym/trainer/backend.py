@@ -30,109 +30,117 @@ backend (``megatron_backend.py``) implement this contract:
 - ``model_path``: the local HF directory of the policy's initial weights (config and tokenizer files).
 
 Hooks ``custom_megatron_before_log_prob_hook`` / ``custom_megatron_before_train_step_hook`` (callable or
-import path ``pkg.mod:fn``) are called as ``hook(args, rollout_id, batch)`` where ``args`` is the recipe
-(or the ``TrainerSettings`` when no recipe was given), ``rollout_id`` the step (-1 when unknown) and
+import path ``pkg.mod:fn``) are called as ``hook(args, rollout_id, batch)`` where ``args`` is the recipe,
+``rollout_id`` the step (-1 when unknown) and
 ``batch`` the whole ``TrainBatch``; a hook that returns a ``TrainBatch`` replaces the batch.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from dataclasses import dataclass, field, fields
-from typing import Any
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from raygym.callables import load_callable
+from raygym.config.base import CustomFunction
+from raygym.config.recipe import Recipe
+from raygym.config.views import build_view, recipe_view
 from raygym.errors import ConfigError
 from raygym.trainer.contract import CheckpointState, LogProbResult, TrainMetrics
 
+if TYPE_CHECKING:
+    from raygym.config.run import TrainConfig
 
-@dataclass
+
+@recipe_view(extras=("hf_checkpoint", "ref_load", "dtype", "declared_architecture", "recipe"))
+@dataclass(frozen=True)
 class TrainerSettings:
-    """What a trainer backend needs, under the recipe's field names (see docs/internals.md)."""
+    """What a trainer backend reads: the Recipe's fields under their own names, plus the extras below.
 
-    hf_checkpoint: str = ""
-    ref_load: str = ""
+    Built by :meth:`from_config` from a validated ``TrainConfig`` (see :mod:`raygym.config.views`).
+    """
+
+    # extras: from the model config and the run
+    hf_checkpoint: str  # the policy's initial weights (model.hf_checkpoint)
+    ref_load: str  # the reference model: recipe.ref_load, else model.ref_checkpoint ('' = the initial weights)
+    dtype: str  # model.dtype: the compute dtype
+    declared_architecture: dict[str, int]  # model.num_layers / hidden_size / num_experts / moe_router_topk set
+    recipe: Recipe = field(repr=False, compare=False)  # what the hooks receive as ``args``
     # optimizer
-    lr: float = 5e-7
-    min_lr: float = 0.0
-    lr_decay_style: str = "constant"
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int | None = None  # None = every optimizer step of the run
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    optimizer: str = "adam"
-    clip_grad: float = 1.0
-    critic_lr: float | None = None
+    lr: float
+    min_lr: float
+    lr_decay_style: str
+    lr_warmup_iters: int
+    lr_decay_iters: int | None  # None = every optimizer step of the run
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    optimizer: str
+    clip_grad: float
+    critic_lr: float | None
+    value_clip: float | None
     # batching
-    num_rollout: int = 1
-    rollout_batch_size: int = 16
-    n_samples_per_prompt: int = 8
-    global_batch_size: int = 16
-    micro_batch_size: int = 1
-    use_dynamic_batch_size: bool = True
-    max_tokens_per_gpu: int = 8192
-    balance_data: bool = False
+    num_rollout: int
+    rollout_batch_size: int
+    n_samples_per_prompt: int
+    global_batch_size: int
+    micro_batch_size: int
+    use_dynamic_batch_size: bool
+    max_tokens_per_gpu: int
+    balance_data: bool
     # algorithm
-    advantage_estimator: str = "grpo"
-    eps_clip: float = 0.2
-    eps_clip_high: float = 0.28
-    eps_clip_c: float | None = None
-    use_tis: bool = False
-    tis_clip: float = 2.0
-    use_kl_loss: bool = False
-    kl_loss_type: str = "low_var_kl"
-    kl_loss_coef: float = 0.0
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    calculate_per_token_loss: bool = False
-    gamma: float = 1.0
-    lambd: float = 1.0
-    rollout_temperature: float = 1.0
-    # model
-    freeze_params_name_list: list[str] | None = None
-    recompute_granularity: str = "full"
-    recompute_num_layers: int = 1
-    # The recipe's recompute_* defaults target Megatron; the torch backend recomputes only when asked
-    # (torch_recompute, from a recipe attribute or extra_config["torch_recompute"]).
-    torch_recompute: bool = False
-    seed: int = 1234
-    dist_timeout_s: float = 600.0
-    custom_megatron_before_log_prob_hook: Any = None
-    custom_megatron_before_train_step_hook: Any = None
-    recipe: Any = field(default=None, repr=False, compare=False)
+    advantage_estimator: str
+    eps_clip: float
+    use_tis: bool
+    use_kl_loss: bool
+    kl_coef: float
+    use_critic: bool
+    rollout_temperature: float
+    # model and process group
+    trainer_backend: str
+    freeze_params_name_list: list[str] | None
+    attention_dropout: float
+    hidden_dropout: float
+    torch_activation_checkpointing: bool
+    seed: int
+    distributed_timeout_minutes: int
+    custom_megatron_before_log_prob_hook: CustomFunction
+    custom_megatron_before_train_step_hook: CustomFunction
+    # checkpoints
+    save: str
+    load: str
+    no_save_optim: bool
+    no_load_optim: bool
+    start_rollout_id: int | None
 
     @classmethod
-    def from_recipe(cls, recipe: Any, model: Any = None, **overrides: Any) -> TrainerSettings:
-        """Read every field by name from ``recipe`` (and ``hf_checkpoint`` from ``model``) when present."""
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name != "recipe" and hasattr(recipe, f.name):
-                values[f.name] = getattr(recipe, f.name)
-        extra = getattr(recipe, "extra_config", None) or {}
-        if "torch_recompute" not in values and "torch_recompute" in extra:
-            values["torch_recompute"] = bool(extra["torch_recompute"])
-        if model is not None and getattr(model, "hf_checkpoint", None):
-            values["hf_checkpoint"] = model.hf_checkpoint
-        if not values.get("ref_load") and model is not None and getattr(model, "ref_checkpoint", None):
-            values["ref_load"] = model.ref_checkpoint
-        values.update(overrides)
-        return cls(recipe=recipe, **values)
+    def from_config(cls, cfg: TrainConfig) -> TrainerSettings:
+        """The trainer's view of ``cfg``.
 
-    @classmethod
-    def from_config(cls, cfg: Any, **overrides: Any) -> TrainerSettings:
-        """From a ``TrainConfig`` (``cfg.recipe`` and ``cfg.model``)."""
-        return cls.from_recipe(cfg.recipe, getattr(cfg, "model", None), **overrides)
-
-    @property
-    def hook_args(self) -> Any:
-        return self.recipe if self.recipe is not None else self
+        >>> from raygym.config import ModelConfig, Recipe, TrainConfig
+        >>> s = TrainerSettings.from_config(TrainConfig(recipe=Recipe(lr=1e-5), model=ModelConfig(hf_checkpoint="m")))
+        >>> s.lr, s.hf_checkpoint, s.ref_load, s.distributed_timeout_minutes
+        (1e-05, 'm', '', 10)
+        """
+        recipe, model = cfg.recipe, cfg.model
+        shape = {"num_layers": model.num_layers, "hidden_size": model.hidden_size,
+                 "num_experts": model.num_experts, "moe_router_topk": model.moe_router_topk}
+        return build_view(
+            cls, recipe, hf_checkpoint=model.hf_checkpoint, ref_load=recipe.ref_load or model.ref_checkpoint or "",
+            dtype=model.dtype, declared_architecture={k: v for k, v in shape.items() if v is not None},
+            recipe=recipe,
+        )
 
     @property
     def uses_reference(self) -> bool:
         return self.use_kl_loss or self.kl_coef != 0.0
+
+    @property
+    def dist_timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(minutes=self.distributed_timeout_minutes)
 
     def total_optimizer_steps(self) -> int:
         return max(
@@ -144,12 +152,43 @@ class TrainerSettings:
 
 
 def call_hook(settings: TrainerSettings, field_name: str, rollout_id: int, batch: Any) -> Any:
-    """Run the hook named by ``field_name`` if set; returns the (possibly replaced) batch."""
-    hook = load_callable(getattr(settings, field_name), field_name)
+    """Run the hook ``field_name`` (``custom_megatron_before_log_prob_hook`` or
+    ``custom_megatron_before_train_step_hook``) if set; returns the (possibly replaced) batch."""
+    hooks = {"custom_megatron_before_log_prob_hook": settings.custom_megatron_before_log_prob_hook,
+             "custom_megatron_before_train_step_hook": settings.custom_megatron_before_train_step_hook}
+    hook = load_callable(hooks[field_name], field_name)
     if hook is None:
         return batch
-    result = hook(settings.hook_args, rollout_id, batch)
+    result = hook(settings.recipe, rollout_id, batch)
     return batch if result is None else result
+
+
+# ModelConfig's architecture fields and the HF config.json keys that hold the same facts.
+ARCHITECTURE_KEYS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size", "num_experts": "num_experts",
+                     "moe_router_topk": "num_experts_per_tok"}
+
+
+def check_declared_architecture(settings: TrainerSettings, hf_config: Mapping[str, Any]) -> None:
+    """ConfigError when the model config declares an architecture fact (``num_layers``, ``hidden_size``,
+    ``num_experts``, ``moe_router_topk``) that the checkpoint's ``config.json`` (``hf_config``) contradicts.
+
+    >>> from raygym.config import ModelConfig, TrainConfig
+    >>> s = TrainerSettings.from_config(TrainConfig(model=ModelConfig(hf_checkpoint="m", hidden_size=64)))
+    >>> check_declared_architecture(s, {"hidden_size": 64})
+    >>> check_declared_architecture(s, {"hidden_size": 32})
+    Traceback (most recent call last):
+    ...
+    raygym.errors.ConfigError: hidden_size=64: the checkpoint m has hidden_size=32 in its config.json; set --hidden-size 32 or leave it unset
+    """
+    for name, declared in settings.declared_architecture.items():
+        key = ARCHITECTURE_KEYS[name]
+        actual = hf_config.get(key)
+        if actual != declared:
+            raise ConfigError(
+                f"{name}={declared}: the checkpoint {settings.hf_checkpoint} has {key}={actual} in its config.json; "
+                + (f"set --{name.replace('_', '-')} {actual} or leave it unset" if actual is not None
+                   else f"leave --{name.replace('_', '-')} unset")
+            )
 
 
 def reference_model_path(settings: TrainerSettings, policy_path: str) -> str:

@@ -11,8 +11,8 @@ the model, the forward output and the loss:
 - ``compute_values(batch)``: one value per response token, aligned as log-probs are: the value of
   response token ``j`` is read at position ``p-1+j`` (the state from which token ``j`` was generated).
 - ``train_step(batch)``: the clipped value loss ``raygym.algo.value_loss`` against ``batch.returns``,
-  clipped around the old ``batch.values`` by ``value_clip`` (a recipe field when one exists, else
-  ``eps_clip``), aggregated per sample or per token like the policy loss. Metrics are ``critic/*``.
+  clipped around the old ``batch.values`` by ``value_clip`` (``eps_clip`` when unset; 0 = no clipping),
+  aggregated per sample or per token like the policy loss. Metrics are ``critic/*``.
 
 >>> # critic = TrainerActor(cfg, role="critic"); critic.init()
 >>> # batch = batch.with_log_probs(critic.compute_values(batch)).with_advantages("ppo")
@@ -22,6 +22,7 @@ the model, the forward output and the loss:
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,12 +76,14 @@ def saved_value_head(path: str) -> dict[str, torch.Tensor]:
     return head
 
 
-def load_value_model(path: str, device: torch.device) -> ValueModel:
+def load_value_model(path: str, device: torch.device, config: Any = None) -> ValueModel:
     """A ``ValueModel`` from a local HF directory: a causal-LM checkpoint (fresh zero head) or a critic
-    written by ``write_value_model`` (its trained head is restored)."""
+    written by ``write_value_model`` (its trained head is restored). ``config``: the HF config to build
+    the body with (default: the checkpoint's own)."""
     from transformers import AutoModel
 
-    body = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    kwargs = {"config": config} if config is not None else {}
+    body = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa", **kwargs)
     body.config.use_cache = False
     model = ValueModel(body)
     head = saved_value_head(path)
@@ -118,13 +121,11 @@ def write_value_model(state: dict[str, torch.Tensor], hf_source: str, out_url: s
 
 
 def value_clip_range(settings: TrainerSettings) -> float | None:
-    """The value-loss clip: a ``value_clip`` field (settings, then recipe) when one exists, else ``eps_clip``.
-
-    A ``value_clip`` of None means no clipping (plain squared error)."""
-    for source in (settings, settings.recipe):
-        if source is not None and hasattr(source, "value_clip"):
-            return source.value_clip
-    return settings.eps_clip
+    """The value-loss clip: ``value_clip``, or ``eps_clip`` when it is unset; None (``value_clip=0``) means
+    no clipping (plain squared error)."""
+    if settings.value_clip is None:
+        return settings.eps_clip
+    return settings.value_clip or None
 
 
 class TorchCriticBackend(TorchBackend):
@@ -138,7 +139,7 @@ class TorchCriticBackend(TorchBackend):
 
     # ---- model -------------------------------------------------------------------------------------
     def _build_model(self, path: str) -> torch.nn.Module:
-        return load_value_model(path, self.device)
+        return load_value_model(path, self.device, self._hf_config(path))
 
     def _base_lr(self) -> float:
         s = self.settings

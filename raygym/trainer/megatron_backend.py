@@ -38,6 +38,7 @@ from raygym.trainer.backend import (
     TrainerBackend,
     TrainerSettings,
     call_hook,
+    check_declared_architecture,
     check_policy_batch,
     reference_model_path,
 )
@@ -72,14 +73,14 @@ __all__ = ["MegatronBackend", "MegatronOptions", "has_transformer_engine", "requ
 class MegatronBackend(MegatronWeights, TrainerBackend):
     """One rank of a Megatron-core trainer (see the module docstring).
 
-    >>> backend = MegatronBackend(TrainerSettings(hf_checkpoint="/models/qwen3"),
-    ...                           MegatronOptions(tensor_model_parallel_size=2, qkv_format="bshd"))
-    >>> # backend.init(); backend.compute_log_probs(batch); backend.train_step(batch, rollout_id=0)
+    >>> # cfg = TrainConfig(recipe=Recipe(tensor_model_parallel_size=2, qkv_format="bshd", ...), model=...)
+    >>> # backend = MegatronBackend(TrainerSettings.from_config(cfg)); backend.init()
+    >>> # backend.compute_log_probs(batch); backend.train_step(batch, rollout_id=0)
     """
 
-    def __init__(self, settings: TrainerSettings, options: MegatronOptions | None = None, role: str = "actor") -> None:
+    def __init__(self, settings: TrainerSettings, role: str = "actor") -> None:
         self.settings = settings
-        self.options = options or MegatronOptions.from_recipe(settings.recipe)
+        self.options = MegatronOptions.from_settings(settings)
         self.role = role
         self.model: Any = None
         self.ref_model: Any = None
@@ -90,7 +91,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         self.facts: dict[str, int] = {}
         self.device = torch.device("cpu")  # set in init(), after this rank picked its GPU
         self.use_te = False
-        self.loss_config = RLLossConfig.from_settings(settings)
+        self.loss_config = RLLossConfig.from_recipe(settings.recipe)
         self.single_pass = False
         self.frozen: list[str] = []
         self._offloaded = False
@@ -100,7 +101,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         """Join the world, build the sharded model, load the HF checkpoint, build the optimizer."""
         require_megatron()
         from raygym.builtin import resolve_model_path
-        from raygym.trainer.torch_backend import reuses_current_log_probs
+        from raygym.trainer.decisions import reuses_current_log_probs
 
         cuda = torch.cuda.is_available()
         if self.role != "actor":
@@ -111,7 +112,8 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
 
             enable_cpu_mode()
         self.use_te = self.options.resolved_qkv_format(cuda=cuda) == "thd"
-        self.facts = init_parallel_state(self.options, timeout_s=self.settings.dist_timeout_s, seed=self.settings.seed)
+        self.facts = init_parallel_state(self.options, timeout_minutes=self.settings.distributed_timeout_minutes,
+                                         seed=self.settings.seed)
         self.rank, self.world_size = self.facts["rank"], self.facts["world_size"]
         if cuda:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -119,6 +121,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
             self._set_cpu_threads()
         self.model_path = resolve_model_path(self.settings.hf_checkpoint)
         self.hf_config = read_hf_config(self.model_path)
+        check_declared_architecture(self.settings, self.hf_config)
         model, self.shape = build_gpt_model(self.hf_config, self.options, self.facts["tp_size"], self.use_te)
         model = model.to(self.device)
         self.load_hf_checkpoint(model, self.model_path)
@@ -151,7 +154,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         }
 
     def _set_cpu_threads(self) -> None:
-        from raygym.trainer.torch_backend import cpu_training_threads, overlapping_engine_threads
+        from raygym.trainer.decisions import cpu_training_threads, overlapping_engine_threads
 
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         busy = overlapping_engine_threads(self.settings.recipe)

@@ -4,7 +4,8 @@ checkpoint, the parallel state, packing samples into one row and the vocabulary-
 megatron-core is imported lazily (``pip install 'raygym[megatron]'``). The backend itself is
 :mod:`raygym.trainer.megatron_backend`; its CPU mode is :mod:`raygym.trainer.megatron_cpu`.
 
->>> opts = MegatronOptions(tensor_model_parallel_size=2, sequence_parallel=True)
+>>> from raygym.config import Recipe
+>>> opts = MegatronOptions.from_recipe(Recipe(tensor_model_parallel_size=2, sequence_parallel=True), "auto")
 >>> opts.data_parallel_size(world_size=8), opts.resolved_qkv_format(cuda=False), opts.torch_dtype(cuda=False)
 (4, 'bshd', torch.float32)
 """
@@ -13,14 +14,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from raygym.config.recipe import Recipe
+from raygym.config.views import build_view, recipe_view
 from raygym.errors import ConfigError
-from raygym.trainer.backend import dist_env
+from raygym.trainer.backend import TrainerSettings, dist_env
 from raygym.trainer.weight_mapping import ModelShape
 
 MEGATRON_EXTRA_HINT = "pip install 'raygym[megatron]' (megatron-core >= 0.12; 0.16.x on Python 3.11)"
@@ -44,37 +47,41 @@ def has_transformer_engine() -> bool:
     return True
 
 
-@dataclass
+@recipe_view(extras=("params_dtype",))
+@dataclass(frozen=True)
 class MegatronOptions:
-    """Megatron-only recipe fields (same names as the recipe) plus the parameter dtype.
+    """The Megatron-only recipe fields (same names as the recipe) plus the parameter dtype.
 
-    ``params_dtype``: "auto" (bfloat16 on GPU, float32 in CPU mode), "bfloat16", "float16" or "float32".
-    ``qkv_format``: "thd" (packed, Transformer Engine on GPU) or "bshd" (Megatron's own attention with a
-    block-diagonal mask); see :meth:`resolved_qkv_format`.
+    ``params_dtype`` (``model.dtype``): "auto" (bfloat16 on GPU, float32 in CPU mode), "bfloat16", "float16"
+    or "float32". ``qkv_format``: "thd" (packed, Transformer Engine on GPU) or "bshd" (Megatron's own
+    attention with a block-diagonal mask); see :meth:`resolved_qkv_format`.
     """
 
-    tensor_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    recompute_granularity: str | None = "full"
-    recompute_method: str | None = "uniform"
-    recompute_num_layers: int | None = 1
-    qkv_format: str = "thd"
-    attention_softmax_in_fp32: bool = True
-    accumulate_allreduce_grads_in_fp32: bool = True
-    use_distributed_optimizer: bool = False
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    params_dtype: str = "auto"
+    tensor_model_parallel_size: int
+    sequence_parallel: bool
+    pipeline_model_parallel_size: int
+    context_parallel_size: int
+    expert_model_parallel_size: int
+    recompute_granularity: str
+    recompute_method: str
+    recompute_num_layers: int
+    qkv_format: str
+    attention_softmax_in_fp32: bool
+    accumulate_allreduce_grads_in_fp32: bool
+    use_distributed_optimizer: bool
+    attention_dropout: float
+    hidden_dropout: float
+    params_dtype: str
 
     @classmethod
-    def from_recipe(cls, recipe: Any, **overrides: Any) -> MegatronOptions:
-        """Read every field by name from ``recipe`` when present; ``overrides`` win."""
-        values = {f.name: getattr(recipe, f.name) for f in fields(cls) if recipe is not None and hasattr(recipe, f.name)}
-        values.update(overrides)
-        return cls(**values)
+    def from_recipe(cls, recipe: Recipe, params_dtype: str) -> MegatronOptions:
+        """The Megatron view of ``recipe``; ``params_dtype`` is the model config's ``dtype``."""
+        return build_view(cls, recipe, params_dtype=params_dtype)
+
+    @classmethod
+    def from_settings(cls, settings: TrainerSettings) -> MegatronOptions:
+        """The Megatron view of the trainer's config."""
+        return cls.from_recipe(settings.recipe, settings.dtype)
 
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
@@ -118,12 +125,6 @@ class MegatronOptions:
                 f"context_parallel_size={self.context_parallel_size}: not supported by the megatron backend yet; "
                 "set context_parallel_size=1"
             )
-        if self.recompute_granularity not in (None, "none", "full", "selective"):
-            raise ConfigError(
-                f"recompute_granularity={self.recompute_granularity!r}: use 'full', 'selective' or None"
-            )
-        if self.recompute_granularity == "full" and self.recompute_method not in ("uniform", "block"):
-            raise ConfigError(f"recompute_method={self.recompute_method!r}: use 'uniform' or 'block'")
 
     def torch_dtype(self, *, cuda: bool | None = None) -> torch.dtype:
         """The parameter dtype; ``"auto"`` is bfloat16 on a GPU and float32 in CPU mode."""
@@ -159,7 +160,7 @@ def transformer_config(hf_config: dict[str, Any], opts: MegatronOptions, shape: 
 
     cuda = torch.cuda.is_available()
     dtype = opts.torch_dtype()
-    granularity = None if opts.recompute_granularity in (None, "none") else opts.recompute_granularity
+    granularity = opts.recompute_granularity
     kwargs: dict[str, Any] = dict(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -273,7 +274,7 @@ def build_gpt_model(hf_config: dict[str, Any], opts: MegatronOptions, tp_size: i
     return model, shape
 
 
-def init_parallel_state(opts: MegatronOptions, *, timeout_s: float = 600.0, seed: int = 1234) -> dict[str, int]:
+def init_parallel_state(opts: MegatronOptions, *, timeout_minutes: int, seed: int) -> dict[str, int]:
     """Join the torch.distributed world from the torchrun env and build Megatron's parallel groups."""
     require_megatron()
     import datetime
@@ -292,7 +293,7 @@ def init_parallel_state(opts: MegatronOptions, *, timeout_s: float = 600.0, seed
             "nccl" if cuda else "gloo",
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(minutes=timeout_minutes),
         )
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
@@ -300,7 +301,7 @@ def init_parallel_state(opts: MegatronOptions, *, timeout_s: float = 600.0, seed
             pipeline_model_parallel_size=opts.pipeline_model_parallel_size,
             context_parallel_size=opts.context_parallel_size,
             expert_model_parallel_size=opts.expert_model_parallel_size,
-            distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+            distributed_timeout_minutes=timeout_minutes,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return {

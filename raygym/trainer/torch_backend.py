@@ -1,14 +1,15 @@
 """The torch trainer backend: an HF causal LM, FSDP2 across ranks (gloo on CPU, nccl on GPU).
 
-- Precision: fp32 on CPU; on GPU fp32 master weights with bf16 compute (FSDP2 ``MixedPrecisionPolicy``
-  when sharded, ``torch.autocast`` on one rank).
+- Precision: fp32 master weights; compute in ``model.dtype`` (:func:`compute_dtype`: ``auto`` is bf16 on a
+  GPU, fp32 on CPU) through FSDP2's ``MixedPrecisionPolicy`` when sharded, ``torch.autocast`` on one rank.
 - Sharding: with ``WORLD_SIZE > 1`` every decoder layer (the model's ``_no_split_modules``) and then the
   root get ``fully_shard``. Gradients are summed across ranks by scaling each rank's loss by the world
   size (FSDP2 averages), so N ranks compute the same update as one.
 - Micro-batches are right-padded ``[b, L]`` batches; every rank runs the same number of forward/backward
   passes (the count is all-reduced and short ranks run zero-weight dummy passes), as FSDP requires.
-- Activation checkpointing (HF ``gradient_checkpointing_enable``) only when ``torch_recompute`` is set:
-  the recipe's ``recompute_*`` defaults are Megatron's and would slow small torch runs for nothing.
+- Activation checkpointing (HF ``gradient_checkpointing_enable``) when ``torch_activation_checkpointing``
+  is set (the recipe's ``recompute_*`` fields are Megatron's). ``attention_dropout`` goes into the HF
+  config; the HF models have no hidden dropout, so ``hidden_dropout > 0`` is a ConfigError here.
 - Loss: :func:`raygym.algo.rl_loss` (the one RL loss, shared with the Megatron backend).
 - Checkpoints: each rank's own FSDP2 shards (DTensors of ``get_model_state_dict`` /
   ``get_optimizer_state_dict``), written by ``raygym.sharded_checkpoint`` with
@@ -21,7 +22,6 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -45,68 +45,21 @@ from raygym.trainer.backend import (
     TrainerBackend,
     TrainerSettings,
     call_hook,
+    check_declared_architecture,
     check_policy_batch,
     dist_env,
     reference_model_path,
 )
 from raygym.trainer.batch import TrainBatch
 from raygym.trainer.contract import CheckpointState, LogProbResult, advantage_stats, step_metrics_summary
+from raygym.trainer.decisions import (
+    compute_dtype,
+    cpu_training_threads,
+    has_active_dropout,
+    overlapping_engine_threads,
+    reuses_current_log_probs,
+)
 from raygym.trainer.optim import LrSchedule, build_optimizer, split_frozen
-
-
-def reuses_current_log_probs(cfg: Any) -> bool:
-    """Whether the separate old-log-prob forward pass is redundant for ``cfg`` (a ``Recipe`` or
-    ``TrainerSettings``): with one optimizer step per rollout the old (pre-update) policy IS the current
-    one, so ``old_log_probs == current log-probs.detach()`` (ratio 1) — provided nothing else needs them
-    before training: no KL loss or reward KL (reference pass), no TIS, no PPO critic, no log-prob hook.
-
-    >>> from raygym.trainer.backend import TrainerSettings
-    >>> reuses_current_log_probs(TrainerSettings(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=8))
-    True
-    >>> reuses_current_log_probs(TrainerSettings(rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=4))
-    False
-    """
-    return (
-        cfg.global_batch_size == cfg.rollout_batch_size * cfg.n_samples_per_prompt
-        and not cfg.use_kl_loss
-        and cfg.kl_coef == 0.0
-        and not cfg.use_tis
-        and cfg.advantage_estimator != "ppo"
-        and not getattr(cfg, "use_critic", False)
-        and not getattr(cfg, "custom_megatron_before_log_prob_hook", None)
-    )
-
-
-def cpu_training_threads(cores: int, local_ranks: int, busy_cores: int = 0) -> int:
-    """Torch intra-op threads of one CPU trainer rank: the node's cores, less ``busy_cores`` (the
-    threads of engines that decode at the same time, i.e. in ``async_mode``), shared by its ranks. Ray
-    starts actors with ``OMP_NUM_THREADS=1``, which leaves the other cores idle during a train step.
-    Measured on 2 cores (benchmarks/e2e.py, 2.6M model, async): 1 trainer thread beside the engine's
-    one gives 0.93-1.01 s per step, 2 threads 1.06-1.10 s (threads that lose their core stall the others).
-
-    >>> cpu_training_threads(2, 1), cpu_training_threads(16, 4), cpu_training_threads(2, 4)
-    (2, 4, 1)
-    >>> cpu_training_threads(2, 1, busy_cores=1), cpu_training_threads(16, 2, busy_cores=4)
-    (1, 6)
-    """
-    return max(1, (cores - busy_cores) // max(1, local_ranks))
-
-
-def overlapping_engine_threads(recipe: Any) -> int:
-    """CPU threads of the engines that decode while this trainer trains: in ``async_mode`` (not
-    colocated) every raygym CPU server's one thread (``raygym.rollout.server --num-threads`` default);
-    otherwise 0, as the engines are idle during a synchronous train step."""
-    if recipe is None or not getattr(recipe, "async_mode", False) or getattr(recipe, "colocate", False):
-        return 0
-    return recipe.gpu_allocation().rollout_engines
-
-
-def has_active_dropout(model: torch.nn.Module) -> bool:
-    """Dropout makes train-mode log-probs differ from the eval-mode pass, so they cannot stand in for it."""
-    config = getattr(model, "config", None)
-    if any(float(getattr(config, name, 0.0) or 0.0) > 0.0 for name in ("attention_dropout", "hidden_dropout")):
-        return True
-    return any(isinstance(m, torch.nn.Dropout) and m.p > 0.0 for m in model.modules())
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
@@ -129,7 +82,7 @@ def pad_stack(rows: list[torch.Tensor], width: int, value: float = 0.0) -> torch
 class TorchBackend(TrainerBackend):
     """``TrainerBackend`` on HF transformers + FSDP2. See the module docstring.
 
-    >>> # backend = TorchBackend(TrainerSettings(hf_checkpoint=path, global_batch_size=4)); backend.init()
+    >>> # backend = TorchBackend(TrainerSettings.from_config(cfg)); backend.init()
     """
 
     ROLE = "actor"
@@ -151,18 +104,24 @@ class TorchBackend(TrainerBackend):
         self.frozen: list[str] = []
         self.offloaded = False
         self.single_pass = False  # train_step may use its own detached log-probs as the old ones
-        self.loss_config = RLLossConfig.from_settings(settings)
+        self.loss_config = RLLossConfig.from_recipe(settings.recipe)
+        if settings.hidden_dropout > 0.0:
+            raise ConfigError(
+                f"hidden_dropout={settings.hidden_dropout}: the torch backend's HF models have no hidden dropout; "
+                "set hidden_dropout=0 (attention_dropout works) or use trainer_backend='megatron'"
+            )
 
     # ---- setup -------------------------------------------------------------------------------------
     def init(self) -> dict[str, Any]:
         s = self.settings
         self.rank, self.world_size, local_rank = dist_env()
         self.device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+        self.compute_dtype = compute_dtype(s.dtype, cuda=self.device.type == "cuda")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-            if getattr(self.settings.recipe, "use_critic", False):
+            if s.use_critic:
                 local_ranks *= 2  # the policy's and the critic's ranks train at the same time
             busy = overlapping_engine_threads(self.settings.recipe)
             torch.set_num_threads(cpu_training_threads(len(os.sched_getaffinity(0)), local_ranks, busy))
@@ -171,13 +130,14 @@ class TorchBackend(TrainerBackend):
                 backend="nccl" if self.device.type == "cuda" else "gloo",
                 rank=self.rank,
                 world_size=self.world_size,
-                timeout=datetime.timedelta(seconds=s.dist_timeout_s),
+                timeout=s.dist_timeout,
             )
         torch.manual_seed(s.seed)
         self.model_path = resolve_model_path(s.hf_checkpoint)
         self.model = self._build_model(self.model_path)
+        check_declared_architecture(s, self.model.config.to_dict())
         _, self.frozen = split_frozen(self.model.named_parameters(), s.freeze_params_name_list)
-        if s.torch_recompute:
+        if s.torch_activation_checkpointing:
             self._enable_recompute()
         self._shard(self.model)
         trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -222,6 +182,20 @@ class TorchBackend(TrainerBackend):
         """The trained model of this role, on ``self.device``, fp32, not yet sharded."""
         return self._load_model(path, trainable=True)
 
+    def _hf_config(self, path: str) -> Any:
+        """The checkpoint's HF config with the recipe's ``attention_dropout`` (ConfigError when it has none)."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        if not hasattr(config, "attention_dropout") and self.settings.attention_dropout > 0.0:
+            raise ConfigError(
+                f"attention_dropout={self.settings.attention_dropout}: the {config.model_type} model of {path} has "
+                "no attention dropout in its config; set attention_dropout=0 or use trainer_backend='megatron'"
+            )
+        if hasattr(config, "attention_dropout"):
+            config.attention_dropout = self.settings.attention_dropout
+        return config
+
     def _base_lr(self) -> float:
         return self.settings.lr
 
@@ -231,7 +205,8 @@ class TorchBackend(TrainerBackend):
     def _load_model(self, path: str, trainable: bool) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(path, config=self._hf_config(path), dtype=torch.float32,
+                                                     attn_implementation="sdpa")
         model.config.use_cache = False
         model.to(self.device)
         if not trainable:
@@ -245,8 +220,8 @@ class TorchBackend(TrainerBackend):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if self.device.type == "cuda"
+            MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+            if self.compute_dtype != torch.float32
             else MixedPrecisionPolicy()
         )
         layer_classes = set(getattr(model, "_no_split_modules", None) or [])
@@ -256,8 +231,8 @@ class TorchBackend(TrainerBackend):
         fully_shard(model, mp_policy=mp)
 
     def _autocast(self):
-        if self.device.type == "cuda" and self.world_size == 1:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        if self.compute_dtype != torch.float32 and self.world_size == 1:
+            return torch.autocast(self.device.type, dtype=self.compute_dtype)
         return nullcontext()
 
     # ---- forward -------------------------------------------------------------------------------------
@@ -424,7 +399,7 @@ class TorchBackend(TrainerBackend):
         ``_micro_batch_loss`` returns the micro-batch's share of the global loss (global denominators),
         so the accumulated gradient equals that of the whole step at once."""
         s = self.settings
-        per_token = s.calculate_per_token_loss
+        per_token = self.loss_config.per_token
         num_samples = len(step_batch)  # global: every rank sees the whole step
         num_tokens = step_batch.num_loss_tokens()
         local = step_batch.shard(self.rank, self.world_size, balance=s.balance_data)

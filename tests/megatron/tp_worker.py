@@ -44,14 +44,16 @@ def hf_log_probs(model_dir: str, batch) -> list[torch.Tensor]:
 def check_model(model_dir: str, tp: int, train: bool) -> dict:
     from safetensors.torch import load_file
 
+    from raygym.config import ModelConfig, Recipe, TrainConfig
     from raygym.trainer.backend import TrainerSettings
-    from raygym.trainer.megatron_backend import MegatronBackend, MegatronOptions
+    from raygym.trainer.megatron_backend import MegatronBackend
 
-    settings = TrainerSettings(hf_checkpoint=model_dir, lr=1e-3, weight_decay=0.0, global_batch_size=6,
-                               max_tokens_per_gpu=32, rollout_temperature=1.0, dist_timeout_s=120.0)
-    opts = MegatronOptions(tensor_model_parallel_size=tp, qkv_format="bshd", params_dtype="float32",
-                           recompute_granularity="full" if train else None)
-    backend = MegatronBackend(settings, opts)
+    # one optimizer step of the 6 samples (3 groups of 2) on tp ranks, all of them tensor parallel
+    recipe = Recipe(trainer_backend="megatron", actor_num_gpus_per_node=tp, tensor_model_parallel_size=tp,
+                    rollout_batch_size=3, n_samples_per_prompt=2, global_batch_size=6, lr=1e-3, weight_decay=0.0,
+                    max_tokens_per_gpu=32, rollout_temperature=1.0, qkv_format="bshd", distributed_timeout_minutes=2)
+    cfg = TrainConfig(recipe=recipe, model=ModelConfig(hf_checkpoint=model_dir, dtype="float32"))
+    backend = MegatronBackend(TrainerSettings.from_config(cfg))
     result: dict = {"facts": backend.init()}
 
     original = load_file(os.path.join(model_dir, "model.safetensors"))

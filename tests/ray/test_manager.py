@@ -16,7 +16,7 @@ from raygym.config import DatasetConfig, ModelConfig, Recipe, TrainConfig
 from raygym.data import PromptDataset
 from raygym.presets import tiny
 from raygym.rollout.engine import EngineActor
-from raygym.rollout.manager import RolloutManager
+from raygym.rollout.manager import RolloutManager, RolloutSettings
 
 pytestmark = pytest.mark.ray
 
@@ -92,9 +92,10 @@ def test_full_batch_then_killed_engine_recovers(engines, prompt_file, tiny_model
             assert manager.data_state()["train"]["offset"] == 4
 
             # Longer responses so the kill lands while engine 0 has requests in flight.
-            manager.settings.rollout_batch_size = 8
-            manager.settings.rollout_max_response_len = 24
-            manager.settings.sglang_request_params = {"ignore_eos": True}
+            longer = make_cfg(prompt_file, tiny_model_path, capture_trace=True, trace_sample_limit=5,
+                              rollout_batch_size=8, rollout_max_response_len=24,
+                              sglang_request_params={"ignore_eos": True})
+            manager.settings = RolloutSettings.from_config(longer)
             old_pid = await engines[0].pid.remote()
             step = asyncio.create_task(manager.generate(rollout_id=1, weight_version=1))
             while manager.pool.router.outstanding(0) == 0:
@@ -111,9 +112,7 @@ def test_full_batch_then_killed_engine_recovers(engines, prompt_file, tiny_model
             assert await engines[0].pid.remote() != old_pid and await engines[0].alive.remote()
             assert manager.engines_needing_weights() == [0]  # restarted with the base weights
             assert manager.mark_engine_synced(0, weight_version=0) is False  # stale: stays out
-            manager.settings.rollout_batch_size = 4
-            manager.settings.rollout_max_response_len = 6
-            manager.settings.sglang_request_params = {}
+            manager.settings = RolloutSettings.from_config(cfg)
             await manager.generate(rollout_id=2, weight_version=1)
             assert manager.metrics()["rollout/engine0_requests"] == 0  # no traffic before the re-sync
             assert manager.mark_engine_synced(0, weight_version=1) is True

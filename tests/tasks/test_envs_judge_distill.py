@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from raygym.builtin import build_tokenizer
+from raygym.config import Recipe
 from raygym.distill import TeacherActor, distill_advantages, reverse_kl_per_token
 from raygym.envs import Environment, EpisodeRunner, Step
 from raygym.judge import JudgeClient, JudgeSettings
+from raygym.presets import tiny
 from raygym.rollout.client import EngineClient
 from raygym.rollout.engine import EngineActor
 from raygym.rollout.tasks import sample_metrics
@@ -22,7 +24,7 @@ from raygym.types import Sample
 
 @pytest.fixture(scope="module")
 def engine_url(tiny_model_path, tmp_path_factory):
-    actor = EngineActor({"seed": 3, "sglang_max_running_requests": 64}, 0, tiny_model_path, [], "127.0.0.1",
+    actor = EngineActor(tiny().replace(seed=3, sglang_max_running_requests=64), 0, tiny_model_path, [], "127.0.0.1",
                         "raygym", startup_timeout=180.0, device="cpu", log_dir=str(tmp_path_factory.mktemp("logs")))
     url = actor.start()
     yield url
@@ -118,8 +120,9 @@ def client_generate(client):
 
 def test_judge_parses_batches_and_caches(engine_url):
     tok = build_tokenizer()
-    settings = JudgeSettings(prompt_template="{prompt}{response}\nscore 0-9:", max_response_len=4,
-                             score_min=0.0, score_max=9.0, failure_score=-1.0, batch_size=8)
+    settings = JudgeSettings.from_recipe(Recipe(
+        judge_prompt_template="{prompt}{response}\nscore 0-9:", judge_max_response_len=4, judge_score_min=0.0,
+        judge_score_max=9.0, judge_failure_score=-1.0, judge_batch_size=8))
     samples = [Sample(prompt=f"next:{i}=", prompt_tokens=[], group_index=0, response_text=str(i % 10))
                for i in range(20)]
 

@@ -13,7 +13,6 @@ import json
 import os
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from trainer_setup import hf_log_probs, make_batch
@@ -29,6 +28,7 @@ def recipe_for(backend: str, save: str):
         rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=4, lr=1e-3, min_lr=1e-5,
         lr_decay_style="cosine", lr_warmup_iters=1, lr_decay_iters=8, weight_decay=0.01, use_kl_loss=True,
         kl_loss_coef=0.1, kl_loss_type="low_var_kl", entropy_coef=0.01, max_tokens_per_gpu=48, seed=7, save=save,
+        distributed_timeout_minutes=5,
     )
 
 
@@ -43,13 +43,14 @@ def exported_log_probs(directory: str, batch) -> list[torch.Tensor]:
 
 def check(backend: str, kind: str, model_dir: str, out: Path) -> dict:
     from raygym.checkpoint import export_hf, load_checkpoint
+    from raygym.config import ModelConfig, TrainConfig
     from raygym.trainer import TrainerActor, TrainerSettings
     from raygym.trainer.contract import CheckpointState, LogProbResult
 
     rank = int(os.environ["RANK"])
     work = out / f"{backend}_{kind}"
-    settings = TrainerSettings.from_recipe(recipe_for(backend, str(work / "ckpt")),
-                                           SimpleNamespace(hf_checkpoint=model_dir), dist_timeout_s=300)
+    cfg = TrainConfig(recipe=recipe_for(backend, str(work / "ckpt")), model=ModelConfig(hf_checkpoint=model_dir))
+    settings = TrainerSettings.from_config(cfg)
     res: dict = {}
     a = TrainerActor(settings=settings)
     res["facts"] = {k: v for k, v in a.init().items() if isinstance(v, (str, int, float, bool))}

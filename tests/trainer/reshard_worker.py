@@ -13,7 +13,6 @@ import json
 import os
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from trainer_setup import make_batch
@@ -22,7 +21,7 @@ warnings.filterwarnings("ignore")
 
 
 def main() -> None:
-    from raygym.config import Recipe
+    from raygym.config import ModelConfig, Recipe, TrainConfig
     from raygym.trainer import TrainerActor, TrainerSettings
 
     ap = argparse.ArgumentParser()
@@ -37,9 +36,9 @@ def main() -> None:
         trainer_backend=args.backend, actor_num_gpus_per_node=world, colocate=False, rollout_num_gpus=world,
         tensor_model_parallel_size=tp, rollout_batch_size=2, n_samples_per_prompt=4, global_batch_size=4,
         lr=1e-3, min_lr=1e-5, lr_decay_style="cosine", lr_warmup_iters=1, lr_decay_iters=8, weight_decay=0.01,
-        max_tokens_per_gpu=48, seed=7,
+        max_tokens_per_gpu=48, seed=7, distributed_timeout_minutes=5,
     )
-    settings = TrainerSettings.from_recipe(recipe, SimpleNamespace(hf_checkpoint=args.model), dist_timeout_s=300)
+    settings = TrainerSettings.from_config(TrainConfig(recipe=recipe, model=ModelConfig(hf_checkpoint=args.model)))
     actor = TrainerActor(settings=settings)
     actor.init()
     batch = make_batch(seed=5)

@@ -3,12 +3,10 @@ FSDP2 equivalence, checkpoint and export round trips."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.multiprocessing as mp
-from trainer_setup import free_port, join_local_world, make_batch
+from trainer_setup import free_port, join_local_world, make_batch, trainer_settings
 from trainer_setup import settings_for as base_settings
 
 from raygym.errors import ConfigError
@@ -19,7 +17,7 @@ from raygym.trainer.torch_backend import TorchBackend
 
 
 def settings_for(path: str, **overrides) -> TrainerSettings:
-    return base_settings(path, **{"advantage_estimator": "ppo", **overrides})
+    return base_settings(path, **{"advantage_estimator": "ppo", "use_critic": True, **overrides})
 
 
 def with_returns(critic, batch: TrainBatch) -> TrainBatch:
@@ -149,16 +147,16 @@ def test_critic_errors_and_backend_choice(tiny_model_path):
 
 
 def test_value_clip_comes_from_a_value_clip_field_else_eps_clip():
-    assert value_clip_range(TrainerSettings(eps_clip=0.3)) == 0.3
-    recipe = SimpleNamespace(value_clip=0.5)
-    assert value_clip_range(TrainerSettings(eps_clip=0.3, recipe=recipe)) == 0.5
-    assert value_clip_range(TrainerSettings(recipe=SimpleNamespace(value_clip=None))) is None
+    assert value_clip_range(trainer_settings("m", eps_clip=0.3)) == 0.3
+    assert value_clip_range(trainer_settings("m", eps_clip=0.3, value_clip=0.5)) == 0.5
+    assert value_clip_range(trainer_settings("m", value_clip=0.0)) is None  # 0: no clipping
 
 
 def _critic_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
     join_local_world(rank, world, port)
     critic = TorchCriticBackend(
-        settings_for(path, max_tokens_per_gpu=30, balance_data=True, dist_timeout_s=120)
+        settings_for(path, max_tokens_per_gpu=30, balance_data=True, distributed_timeout_minutes=2,
+                     actor_num_gpus_per_node=world)
     )
     critic.init()
     batch = make_batch(seed=4)

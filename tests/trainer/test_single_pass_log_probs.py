@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_torch_backend import params_of
-from trainer_setup import make_batch, settings_for
+from trainer_setup import make_batch, settings_for, trainer_settings
 
 from raygym.trainer import TrainerSettings
 from raygym.trainer.torch_backend import TorchBackend, has_active_dropout, reuses_current_log_probs
@@ -20,16 +20,17 @@ def grpo_settings(path: str, **overrides) -> TrainerSettings:
 
 
 def test_which_settings_make_the_old_pass_redundant():
-    assert reuses_current_log_probs(TrainerSettings(**ONE_STEP))
+    assert reuses_current_log_probs(trainer_settings("m", **ONE_STEP))
     for change in (
         {"global_batch_size": 4},  # two optimizer steps: the second one's old policy is not the current one
         {"use_kl_loss": True},
         {"kl_coef": 0.1},
         {"use_tis": True},
-        {"advantage_estimator": "ppo"},
+        {"advantage_estimator": "ppo", "use_critic": True},  # PPO (which needs its critic)
+        {"use_critic": True},
         {"custom_megatron_before_log_prob_hook": "pkg.mod:fn"},
     ):
-        assert not reuses_current_log_probs(TrainerSettings(**{**ONE_STEP, **change})), change
+        assert not reuses_current_log_probs(trainer_settings("m", **{**ONE_STEP, **change})), change
 
 
 def test_dropout_rules_the_single_pass_out(tiny_model_path):

@@ -22,8 +22,9 @@ def params_of(backend: TorchBackend) -> dict[str, torch.Tensor]:
 
 
 def test_loss_decreases_on_a_fixed_batch(tiny_model_path):
-    # Huge clip bounds turn the clipped surrogate into plain policy gradient, so the loss must fall.
-    backend = TorchBackend(settings_for(tiny_model_path, eps_clip=100.0, eps_clip_high=100.0, lr=3e-3))
+    # Clip bounds that never bind (ratio in (0, 101]) turn the clipped surrogate into plain policy gradient,
+    # so the loss must fall.
+    backend = TorchBackend(settings_for(tiny_model_path, eps_clip=1.0, eps_clip_high=100.0, lr=3e-3))
     backend.init()
     batch = prepared(backend, make_batch())
     losses = [backend.train_step(batch, rollout_id=i)["train/pg_loss"] for i in range(6)]
@@ -86,7 +87,8 @@ def _fsdp_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
 
     join_local_world(rank, world, port)
     backend = TorchBackend(
-        settings_for(path, lr=1e-4, max_tokens_per_gpu=30, balance_data=True, dist_timeout_s=120)
+        settings_for(path, lr=1e-4, max_tokens_per_gpu=30, balance_data=True, distributed_timeout_minutes=2,
+                     actor_num_gpus_per_node=world)
     )
     backend.init()
     metrics = backend.train_step(prepared(backend, make_batch(seed=3)), rollout_id=0)
@@ -180,8 +182,7 @@ def test_hf_export_round_trip(tiny_model_path, tmp_path):
 
 
 def test_settings_from_recipe_hooks_and_backend_choice(tiny_model_path):
-    from types import SimpleNamespace
-
+    from raygym.config import ModelConfig, Recipe, TrainConfig
     from raygym.errors import ConfigError
     from raygym.trainer import choose_backend
 
@@ -191,19 +192,20 @@ def test_settings_from_recipe_hooks_and_backend_choice(tiny_model_path):
         calls.append((args, rollout_id, len(batch)))
         return batch.select(range(len(batch) - 1))  # a hook may replace the batch
 
-    recipe = SimpleNamespace(
+    recipe = Recipe(
         lr=2e-3,
         eps_clip_high=0.3,
         global_batch_size=8,
         trainer_backend="auto",
-        extra_config={"torch_recompute": True},
+        extra_config={"torch_activation_checkpointing": True},
         custom_megatron_before_log_prob_hook=hook,
     )
-    settings = TrainerSettings.from_recipe(recipe, SimpleNamespace(hf_checkpoint=tiny_model_path))
-    assert (settings.lr, settings.eps_clip_high, settings.torch_recompute) == (2e-3, 0.3, True)
+    settings = TrainerSettings.from_config(TrainConfig(recipe=recipe, model=ModelConfig(hf_checkpoint=tiny_model_path)))
+    assert (settings.lr, settings.torch_activation_checkpointing) == (2e-3, True)
     assert settings.eps_clip == 0.2 and settings.hf_checkpoint == tiny_model_path
     actor = TrainerActor(settings=settings)
     actor.init()
+    assert actor.backend.loss_config.eps_clip_high == 0.3
     model = actor.backend.model
     assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
     out = actor.compute_log_probs(make_batch(seed=8), rollout_id=3)

@@ -11,6 +11,7 @@ import socket
 import pytest
 import torch
 
+from raygym.config import ModelConfig, Recipe, TrainConfig
 from raygym.trainer import TrainBatch, TrainerSettings
 from raygym.types import Sample
 
@@ -36,11 +37,19 @@ def make_batch(seed: int = 0, groups: int = 2, group_size: int = 4) -> TrainBatc
     return TrainBatch.from_samples(samples)
 
 
-def settings_for(path: str, **overrides) -> TrainerSettings:
+def trainer_settings(path: str, model: dict | None = None, **recipe_fields) -> TrainerSettings:
+    """The trainer's view of a validated config: a ``Recipe`` of ``recipe_fields`` (one trainer rank unless
+    they say otherwise) and the model at ``path`` (``model``: more ``ModelConfig`` fields)."""
+    recipe = Recipe(**{"actor_num_gpus_per_node": 1, **recipe_fields})
+    cfg = TrainConfig(recipe=recipe, model=ModelConfig(hf_checkpoint=path, **(model or {})))
+    return TrainerSettings.from_config(cfg)
+
+
+def settings_for(path: str, model: dict | None = None, **overrides) -> TrainerSettings:
     """Settings for the tiny model: 8 samples per optimizer step, micro-batches of at most 48 tokens."""
-    base = dict(hf_checkpoint=path, lr=1e-3, weight_decay=0.0, global_batch_size=8, max_tokens_per_gpu=48,
+    base = dict(lr=1e-3, weight_decay=0.0, global_batch_size=8, max_tokens_per_gpu=48,
                 use_dynamic_batch_size=True, clip_grad=1.0, seed=7)
-    return TrainerSettings(**{**base, **overrides})
+    return trainer_settings(path, model, **{**base, **overrides})
 
 
 def free_port() -> int:

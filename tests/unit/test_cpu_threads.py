@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from raygym import Recipe
 from raygym.presets import tiny
-from raygym.trainer.torch_backend import cpu_training_threads, overlapping_engine_threads
+from raygym.trainer.decisions import cpu_training_threads, overlapping_engine_threads
 
 
 def test_trainer_threads_share_the_node_and_leave_busy_cores():

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import fsspec
 import pytest
 
 from raygym.builtin import NEXT_DIGIT_TASK, build_tokenizer
+from raygym.config import DatasetConfig, ModelConfig, Recipe, TrainConfig
 from raygym.data import (
     PromptDataset,
     dataset_from_config,
@@ -193,21 +193,22 @@ def test_max_prompt_len_filter_and_truncate(tok):
 def test_config_and_eval_datasets(tok, tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", digit_rows(6))
     evalp = write_jsonl(tmp_path / "eval.jsonl", digit_rows(4))
-    cfg = SimpleNamespace(
-        dataset=SimpleNamespace(
+    cfg = TrainConfig(
+        dataset=DatasetConfig(
             prompt_data=train,
             input_key="prompt",
             label_key="label",
             metadata_key="metadata",
             apply_chat_template=False,
-            eval_prompt_data=["digits", evalp],
+            eval_prompt_data={"digits": evalp},
         ),
-        recipe=SimpleNamespace(
+        recipe=Recipe(
             rollout_shuffle=False,
             seed=1,
             rollout_max_prompt_len=None,
             eval_config={"datasets": [{"name": "more", "path": evalp}]},
         ),
+        model=ModelConfig(hf_checkpoint="builtin:tiny-qwen3"),
     )
     assert [r.data_index for r in dataset_from_config(cfg, tok).next_batch(3)] == [0, 1, 2]
     urls = eval_dataset_urls(cfg)

@@ -62,9 +62,12 @@ def test_unloadable_ref_load_is_a_config_error(tmp_path):
 
     empty = tmp_path / "not-a-model"
     empty.mkdir()
+    def settings(recipe: Recipe) -> TrainerSettings:
+        return TrainerSettings.from_config(TrainConfig(recipe=recipe, model=ModelConfig(hf_checkpoint="m")))
+
     with pytest.raises(ConfigError, match=r"ref_load=.*not-a-model.*no config.json"):
-        reference_model_path(TrainerSettings(ref_load=str(empty)), "/policy")
-    assert reference_model_path(TrainerSettings(), "/policy") == "/policy"  # no ref_load: the initial weights
+        reference_model_path(settings(Recipe(ref_load=str(empty))), "/policy")
+    assert reference_model_path(settings(Recipe()), "/policy") == "/policy"  # no ref_load: the initial weights
     cfg = TrainConfig(recipe=Recipe(ref_load=str(tmp_path / "missing")), model=ModelConfig(hf_checkpoint="m"))
     with pytest.raises(ConfigError, match="ref_load="):
         _resolve_reference(cfg, tmp_path)

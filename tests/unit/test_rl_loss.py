@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from raygym.algo import RLLossConfig, aggregate, kl_loss, policy_loss, ratio_level_for, rl_loss, tis_weights
+from raygym.config import Recipe
 from raygym.errors import ConfigError
+
+
+def loss_config(**fields) -> RLLossConfig:
+    return RLLossConfig.from_recipe(Recipe(**fields))
 
 
 def case(seed: int = 0, b: int = 3, t: int = 5):
@@ -49,7 +56,7 @@ def test_total_is_pg_plus_kl_minus_entropy_with_tis_and_dual_clip(per_token, est
 
 def test_plain_config_reports_only_what_is_on_and_old_none_means_current():
     lp, _, _, _, adv, mask, entropy = case(1)
-    cfg = RLLossConfig()
+    cfg = loss_config()
     loss, metrics = rl_loss(lp, None, adv, mask, entropy=entropy, config=cfg)
     assert tuple(metrics) == ("loss", "pg_loss", "entropy", "clipfrac", "approx_kl")
     # the old policy is the current one: ratio 1, nothing clipped, no KL between them
@@ -60,19 +67,17 @@ def test_plain_config_reports_only_what_is_on_and_old_none_means_current():
 def test_missing_inputs_are_config_errors_not_silent_skips():
     lp, old, _, _, adv, mask, entropy = case(2)
     with pytest.raises(ConfigError, match="use_tis=True"):
-        rl_loss(lp, old, adv, mask, entropy=entropy, config=RLLossConfig(use_tis=True))
+        rl_loss(lp, old, adv, mask, entropy=entropy, config=loss_config(use_tis=True))
     with pytest.raises(ConfigError, match="use_kl_loss=True"):
-        rl_loss(lp, old, adv, mask, entropy=entropy, config=RLLossConfig(use_kl_loss=True, kl_loss_coef=0.1))
+        rl_loss(lp, old, adv, mask, entropy=entropy, config=loss_config(use_kl_loss=True, kl_loss_coef=0.1))
     with pytest.raises(ConfigError, match="ratio_level"):
-        RLLossConfig(ratio_level="group")
+        dataclasses.replace(loss_config(), ratio_level="group")
 
 
-def test_from_settings_reads_the_recipe_fields():
-    from raygym.config import Recipe
-
+def test_from_recipe_reads_the_recipe_fields():
     recipe = Recipe(advantage_estimator="gspo", use_tis=True, tis_clip=1.5, entropy_coef=0.02,
                     calculate_per_token_loss=True, eps_clip_c=2.5)
-    cfg = RLLossConfig.from_settings(recipe)
+    cfg = RLLossConfig.from_recipe(recipe)
     assert (cfg.ratio_level, cfg.use_tis, cfg.tis_clip, cfg.entropy_coef, cfg.per_token, cfg.eps_clip_c) == (
         "sequence", True, 1.5, 0.02, True, 2.5)
-    assert cfg.entropy_needs_grad and not RLLossConfig().entropy_needs_grad
+    assert cfg.entropy_needs_grad and not loss_config().entropy_needs_grad
