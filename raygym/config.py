@@ -267,7 +267,7 @@ def _check_import_path(field: str, value: Any) -> None:
 
 _RECIPE_CHOICES: dict[str, tuple[Any, ...]] = {
     "trainer_backend": ("auto", "torch", "megatron"),
-    "rollout_engine": ("auto", "sglang", "raygym"),
+    "rollout_engine": ("auto", "sglang", "vllm", "raygym"),
     "advantage_estimator": ("grpo", "dr_grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
     "kl_loss_type": ("k1", "k2", "k3", "low_var_kl"),
     "substep_timing": ("auto", "off"),
@@ -362,7 +362,8 @@ class Recipe(_Section):
     )
     rollout_engine: str = _f(
         "auto",
-        "Rollout engine: 'sglang', 'raygym' (built-in server) or 'auto' (sglang when CUDA and sglang exist).",
+        "Rollout engine: 'sglang', 'vllm', 'raygym' (built-in server) or 'auto' (sglang when CUDA and sglang "
+        "exist).",
     )
     colocate_trainer_gpu_share: float = _f(
         0.5, "Fraction of each GPU the trainer bundle claims when colocated."

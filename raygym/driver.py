@@ -496,12 +496,12 @@ def train(cfg: Any) -> TrainResult:
         raise_actor_death,
     )
 
-    preflight_engine(recipe)  # the engine can run here and take the configured weight sync
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    model_path = resolve_model_path(cfg.model.hf_checkpoint, run_dir / "cache", seed=0)
+    preflight_engine(recipe, model_path)  # the engine can run the model here and take the configured weight sync
     for line in _banner(cfg, facts):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
-    model_path = resolve_model_path(cfg.model.hf_checkpoint, run_dir / "cache", seed=0)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_checkpoint": model_path})})
     (run_dir / "config.json").write_text(json.dumps(cfg.to_json_dict(), indent=2, default=str) + "\n")
 
