@@ -227,6 +227,7 @@ class Loop:
     def train_on(self, samples: list[Any], step: int, timer: PhaseTimer) -> dict[str, float]:
         import ray
 
+        from raygym.algo.mismatch import batch_mismatch
         from raygym.trainer.actor import PackedBatch
         from raygym.trainer.batch import TrainBatch
 
@@ -252,6 +253,7 @@ class Loop:
                     batch = batch.with_log_probs(ray.get(log_probs)[0])
                 if values:
                     batch = batch.with_log_probs(ray.get(values)[0])
+        mismatch = batch_mismatch(batch)  # engine vs trainer log-probs (single-pass trainers report their own)
         batch = batch.with_advantages(
             recipe.advantage_estimator, kl_coef=recipe.kl_coef, gamma=recipe.gamma, lambd=recipe.lambd
         )
@@ -267,7 +269,7 @@ class Loop:
             train_metrics = ray.get(policy)[0]  # the critic trains on its own ranks meanwhile
             critic_metrics = ray.get(critic)[0] if critic else {}
         self.events.append(f"{step}:train")
-        return {**train_metrics, **critic_metrics, **_advantage_stats(batch)}
+        return {**train_metrics, **critic_metrics, **_advantage_stats(batch), **mismatch}
 
     def save(self, step: int, data_state: dict[str, Any]) -> None:
         extra = {"data_state": data_state, "weight_version": self.version, "run_id": self.cfg.run_id}

@@ -36,6 +36,7 @@ from raygym.algo.batching import (
     pack_micro_batches,
 )
 from raygym.algo.losses import aggregate, entropy_from_logits, kl_loss, policy_loss, tis_weights
+from raygym.algo.mismatch import MismatchTally
 from raygym.builtin import resolve_model_path
 from raygym.errors import ConfigError
 from raygym.trainer.backend import TrainerBackend, TrainerSettings, call_hook, dist_env
@@ -144,6 +145,7 @@ class TorchBackend(TrainerBackend):
         self.frozen: list[str] = []
         self.offloaded = False
         self.single_pass = False  # train_step may use its own detached log-probs as the old ones
+        self._mismatch = MismatchTally()  # engine vs own log-probs, tallied by a single-pass train_step
 
     # ---- setup -------------------------------------------------------------------------------------
     def init(self) -> dict[str, Any]:
@@ -384,6 +386,7 @@ class TorchBackend(TrainerBackend):
                 f"global_batch_size={s.global_batch_size}: must be a multiple of the {self.world_size} trainer ranks"
             )
         batch = call_hook(s, "custom_megatron_before_train_step_hook", rollout_id, batch)
+        self._mismatch = MismatchTally()
         self.model.train()
         totals: dict[str, float] = {}
         grad_norms, lrs = [], []
@@ -400,6 +403,10 @@ class TorchBackend(TrainerBackend):
         metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / len(grad_norms)
         metrics[f"{prefix}/lr"] = lrs[-1]
         metrics[f"{prefix}/optimizer_steps"] = float(len(steps))
+        if batch.old_log_probs is None and batch.rollout_log_probs is not None:  # single pass: tallied per micro-batch
+            if self.world_size > 1:
+                self._mismatch.all_reduce(self.device)
+            metrics.update(self._mismatch.metrics())
         metrics.update(self._role_metrics(batch, metrics))
         seconds = time.perf_counter() - t0
         tokens = float(sum(batch.total_lengths()))
@@ -494,6 +501,8 @@ class TorchBackend(TrainerBackend):
         mask = padded(mb.loss_masks)
         # old_log_probs None: the single-pass case of reuses_current_log_probs (checked in _prepare_train_batch)
         old = logp.detach() if mb.old_log_probs is None else padded(mb.old_log_probs)
+        if mb.old_log_probs is None and mb.rollout_log_probs is not None:
+            self._mismatch.add(padded(mb.rollout_log_probs), old, mask)
         agg = {"per_token": per_token, "num_samples": num_samples, "num_tokens": num_tokens}
         tis = None
         if s.use_tis:
