@@ -222,30 +222,26 @@ def test_delta_through_the_workers_snapshot(engine, vllm_python, vllm_model, tmp
         assert list((tmp_path / "sync").iterdir()) == []  # acknowledged versions are removed
 
 
-def test_a_delta_the_engine_cannot_apply_is_reported_and_resynced(engine, vllm_python, vllm_model, tmp_path):
-    """A restarted engine holds no snapshot: its worker reports the delta it cannot apply, the coordinator
-    resyncs in full."""
+def test_a_restarted_engine_serves_again_and_the_delta_it_cannot_apply_is_resynced(engine, vllm_python, vllm_model,
+                                                                                tmp_path):
+    """A restarted engine listens on a new port and holds no snapshot: its worker reports the delta it cannot
+    apply, the coordinator resyncs in full, and the engine serves the trainer's weights."""
     trainer = LocalTrainer(vllm_model, lr=1e-6)  # small steps: bf16 deltas, not full entries, are sent
     sync = make_sync(engine, vllm_python, trainer, cast_dtype="bfloat16", update_weight_transport="disk",
                      update_weight_mode="delta", update_weight_disk_dir=str(tmp_path / "sync"))
     sync.push(1)
-    engine.restart()  # the new process holds no snapshot
-    sync.links[0].base_url = engine.url()
+    before = engine.url()
+    after = engine.restart()  # the new process holds no snapshot
+    assert after != before and engine.alive() and engine.restarts == 1
+    assert len(generate(engine, [[2, 3]])[0]["output_ids"]) == 6
+    sync.links[0].base_url = after
     trainer.train_step()
     metrics = sync.push(2)
     assert metrics["sync/full_resyncs"] == 1.0 and metrics["sync/mode"] == 0.0
     assert_serves_trainer(engine, trainer, 2)
-    sync.shutdown()
-
-
-def test_engine_restart_serves_again_and_takes_a_full_sync(engine, vllm_python, vllm_model):
-    before = engine.url()
-    after = engine.restart()
-    assert after != before and engine.alive()
-    assert len(generate(engine, [[2, 3]])[0]["output_ids"]) == 6
-    trainer = LocalTrainer(vllm_model)
-    sync = make_sync(engine, vllm_python, trainer)
-    assert sync.push(1)["sync/verified_versions"] == 1.0
+    trainer.train_step()
+    assert sync.push(3)["sync/mode"] == 1.0  # the full resync seeded the new snapshot: deltas again
+    assert_serves_trainer(engine, trainer, 3)
     sync.shutdown()
 
 
