@@ -43,8 +43,8 @@ def test_train_with_vllm_learns(tmp_path, vllm_python, vllm_model):
     for r in rows:  # every sync was checked against the trainer, none silently unverified
         assert r["sync/verified_versions"] == 1.0 and r["sync/probe_tokens"] > 0, r
         assert r["sync/probe_logprob_diff_mean"] <= 0.1
-        # a bf16 engine against an fp32 trainer: small, but not the ~1e-7 of raygym's own fp32 server
-        assert 0.0 < r["rollout/logprob_mismatch_mean"] < 0.05 and r["rollout/logprob_mismatch_max"] < 1.0
+        # measured each step (fp32 or bf16 engine, fp32 trainer): small
+        assert 0.0 <= r["rollout/logprob_mismatch_mean"] < 0.05 and r["rollout/logprob_mismatch_max"] < 1.0
     log = (out / "logs" / "server-0.log").read_text()
     assert "vLLM adapter ready" in log and "RAYGYM_ENGINE_API_KEY" not in log
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ from raygym.config import Recipe
 from raygym.errors import WeightSyncError
 from raygym.rollout.auth import use_engine_api_key
 from raygym.rollout.engine import EngineActor
+from raygym.rollout.vllm_server import cpu_dtype
 from raygym.weightsync.coordinator import WeightSync
 from tests.weightsync.local_trainer import LocalTrainer
 
@@ -59,7 +61,9 @@ def test_generate_with_logprobs_through_raygyms_client(engine, vllm_model):
 
     info = engine.engine_info()
     assert info["kind"] == "vllm" and info["version"] == "0.32.0" and info["device"] == "cpu"
-    assert info["dtype"] == "bfloat16"  # vLLM's CPU build runs a float32 checkpoint in bf16
+    # a float32 checkpoint stays float32 on a CPU without bf16 instructions, else vLLM runs it in bf16
+    flags = Path("/proc/cpuinfo").read_text()
+    assert info["dtype"] == ("float32" if cpu_dtype("auto", "float32", flags) == "float32" else "bfloat16")
     prompts = [[3, 4, 5, 6], [10, 11, 12]]
     out = generate(engine, prompts, sampling_seed=7)
     assert isinstance(out, list) and len(out) == 2
@@ -200,8 +204,8 @@ def test_a_tensor_that_never_arrives_fails_the_probe(engine, vllm_python, vllm_m
 
 @pytest.mark.parametrize("transport", ["nccl", "disk"])
 def test_delta_through_the_workers_snapshot(engine, vllm_python, vllm_model, tmp_path, transport):
-    """bf16 payloads (what vLLM's CPU build holds) at a small learning rate: most elements keep their bf16
-    bytes, so deltas are small; each is rebuilt into full tensors from the workers' snapshot."""
+    """bf16 payloads at a small learning rate: most elements keep their bf16 bytes, so deltas are small; each
+    is rebuilt into full tensors from the workers' snapshot."""
     trainer = LocalTrainer(vllm_model, lr=1e-6)
     sync = make_sync(engine, vllm_python, trainer, cast_dtype="bfloat16", update_weight_transport=transport,
                      update_weight_mode="delta", update_weight_disk_dir=str(tmp_path / "sync"))
@@ -246,9 +250,10 @@ def test_a_restarted_engine_serves_again_and_the_delta_it_cannot_apply_is_resync
 
 
 def test_a_sync_that_cannot_verify_fails_loudly(engine, vllm_python, vllm_model):
-    """Probe tolerance 0 can never pass against another implementation's kernels: the push must raise."""
+    """bf16 payloads for an fp32 trainer leave a real difference, which a tolerance of 1e-12 cannot accept:
+    the push must raise, not report success (an fp32 engine may match the fp32 trainer bit for bit)."""
     trainer = LocalTrainer(vllm_model)
-    sync = make_sync(engine, vllm_python, trainer, update_weight_probe_tolerance=1e-12)
+    sync = make_sync(engine, vllm_python, trainer, cast_dtype="bfloat16", update_weight_probe_tolerance=1e-12)
     with pytest.raises(WeightSyncError, match="probe log-probs differ"):
         sync.push(1)
     sync.shutdown()
