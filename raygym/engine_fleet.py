@@ -57,8 +57,8 @@ class EngineFleet:
         self.urls = ray.get([h.url.remote() for h in self.engines.handles])
         info = ray.get(self.engines.handles[indexes[0]].engine_info.remote())
         overrides: dict[str, Any] = {}
-        if info["kind"] == "sglang":  # send what the engine holds: the checkpoint's dtype, not fp32 masters
-            overrides["cast_dtype"] = self.engine_dtype
+        if info["kind"] in ("sglang", "vllm"):  # send what the engine holds: its dtype, not fp32 masters
+            overrides["cast_dtype"] = info.get("dtype") or self.engine_dtype
         sync = WeightSync(self.recipe, self.trainers.handles, [self.urls[i] for i in indexes],
                           engine_kind=info["kind"], session=weight_update_session(info["kind"], info["version"]),
                           spec_overrides=overrides)

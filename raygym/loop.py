@@ -169,6 +169,7 @@ class Loop:
         """Old log-probs (and PPO's values), advantages and the optimizer steps of one rollout."""
         import ray
 
+        from raygym.algo.mismatch import batch_mismatch
         from raygym.trainer.actor import PackedBatch
         from raygym.trainer.batch import TrainBatch
 
@@ -189,6 +190,7 @@ class Loop:
                     batch = batch.with_log_probs(ray.get(log_probs)[0])
                 if values:
                     batch = batch.with_log_probs(ray.get(values)[0])
+        mismatch = batch_mismatch(batch)  # engine vs trainer log-probs (single-pass trainers report their own)
         batch = batch.with_advantages(recipe.advantage_estimator, kl_coef=recipe.kl_coef, gamma=recipe.gamma,
                                       lambd=recipe.lambd)
         if recipe.distill_teacher_checkpoint:  # on-policy distillation (raygym/distill.py)
@@ -203,7 +205,7 @@ class Loop:
             train_metrics = ray.get(policy)[0]  # the critic trains on its own ranks meanwhile
             critic_metrics = ray.get(critic)[0] if critic else {}
         self.events.append(f"{step}:train")
-        return {**train_metrics, **critic_metrics}
+        return {**train_metrics, **critic_metrics, **mismatch}
 
     def save(self, step: int, data_state: dict[str, Any]) -> None:
         extra = {"data_state": data_state, "weight_version": self.version, "run_id": self.cfg.run_id}

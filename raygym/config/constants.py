@@ -6,7 +6,7 @@ from typing import Any
 
 RECIPE_CHOICES: dict[str, tuple[Any, ...]] = {
     "trainer_backend": ("auto", "torch", "megatron"),
-    "rollout_engine": ("auto", "sglang", "raygym"),
+    "rollout_engine": ("auto", "sglang", "vllm", "raygym"),
     "advantage_estimator": ("grpo", "dr_grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
     "kl_loss_type": ("k1", "k2", "k3", "low_var_kl"),
     "substep_timing": ("auto", "off"),

@@ -63,7 +63,8 @@ class Recipe(Section):
     )
     rollout_engine: str = option(
         "auto",
-        "Rollout engine: 'sglang', 'raygym' (built-in server) or 'auto' (sglang when CUDA and sglang exist).",
+        "Rollout engine: 'sglang', 'vllm', 'raygym' (built-in server) or 'auto' (sglang when CUDA and sglang "
+        "exist).",
     )
     colocate_trainer_gpu_share: float = option(
         0.5, "Fraction of each GPU the trainer bundle claims when colocated."

@@ -17,6 +17,14 @@ Engine kinds:
   itself is read from the ``disk`` transport's shared directory. Verification: the weight version label
   plus a probe — fixed token sequences scored by the engine (``input_token_logprobs``) must match the
   trainer's own forward pass (SGLang 0.5.18 implements ``/get_weights_by_name`` for no Qwen3 model).
+- ``vllm``: vLLM's engine behind raygym's adapter (``python -m raygym.rollout.vllm_server``, run by vLLM's
+  interpreter). Weights arrive through vLLM's weight-transfer lifecycle (start / update / finish, one session
+  per sync) with raygym's transfer backend in vLLM's workers (:mod:`raygym.rollout.vllm_weights`): HF-named
+  full tensors go to the model's ``load_weights`` between vLLM's layerwise-reload calls, over a torch
+  process group (``flattened_bucket``), from a HF safetensors directory, or as CUDA IPC handles; deltas
+  over the group or the disk are rebuilt into full tensors from a host snapshot each worker keeps.
+  Verification: the probe (vLLM's parameters are fused, TP-sharded and, on CPU, repacked into kernel
+  layouts, so no HF-named bytes exist to checksum).
 
 >>> caps = capabilities("sglang")
 >>> caps.verification, sorted(caps.delta_transports)
@@ -34,7 +42,7 @@ from dataclasses import dataclass
 
 from raygym.errors import ConfigError
 
-ENGINE_KINDS = ("raygym", "sglang")
+ENGINE_KINDS = ("raygym", "sglang", "vllm")
 TRANSPORTS = ("nccl", "disk", "ipc")
 
 
@@ -43,7 +51,7 @@ class EngineCapabilities:
     """One engine kind's abilities.
 
     Attributes:
-        kind: ``"raygym"`` or ``"sglang"``.
+        kind: ``"raygym"``, ``"sglang"`` or ``"vllm"``.
         verification: ``"checksum"`` (exact bytes of every tensor) or ``"probe"`` (the engine's log-probs of
             fixed token sequences against the trainer's forward pass).
         full_transports / delta_transports: transports that carry a full / a delta payload to this kind.
@@ -51,8 +59,9 @@ class EngineCapabilities:
             (raygym's manifest + buffer, applied by its custom loader) or ``"flattened_bucket"`` (HF-named
             full tensors back to back, SGLang's format, applied by the model's ``load_weights``).
         delta_loader: the custom loader a delta payload names in ``load_format``.
-        memory_release: ``"always"`` (releases on request) or ``"memory_saver"`` (only when launched with
-            ``--enable-memory-saver``, on GPU).
+        memory_release: ``"always"`` (releases on request), ``"memory_saver"`` (only when launched with
+            ``--enable-memory-saver``, on GPU) or ``"sleep_mode"`` (vLLM's sleep/wake, only when launched
+            with sleep mode, on GPU).
         accepts_api_key_env: the server reads its API key from the environment (else from a config file).
     """
 
@@ -83,6 +92,12 @@ _CAPABILITIES = {
         dist_format="flattened_bucket", delta_loader=MODEL_LOADER, memory_release="memory_saver",
         accepts_api_key_env=False,
     ),
+    "vllm": EngineCapabilities(
+        kind="vllm", verification="probe",
+        full_transports=frozenset(TRANSPORTS), delta_transports=frozenset({"nccl", "disk"}),
+        dist_format="flattened_bucket", delta_loader=MODEL_LOADER, memory_release="sleep_mode",
+        accepts_api_key_env=True,
+    ),
 }
 
 
@@ -96,11 +111,16 @@ def capabilities(kind: str) -> EngineCapabilities:
 
 def weight_update_session(kind: str, version: str | None) -> bool:
     """Whether weight updates must sit between ``/begin_weight_update`` and ``/end_weight_update``
-    (stock SGLang from 0.5.23 refuses them otherwise).
+    (stock SGLang from 0.5.23 refuses them otherwise; vLLM's adapter maps them onto vLLM's
+    start/finish weight update, around which its layerwise reload runs).
 
     >>> weight_update_session("sglang", "0.5.23"), weight_update_session("sglang", "0.5.18")
     (True, False)
+    >>> weight_update_session("vllm", None)
+    True
     """
+    if kind == "vllm":
+        return True
     return kind == "sglang" and version is not None and version_tuple(version) >= (0, 5, 23)
 
 
@@ -119,6 +139,12 @@ def check_weight_sync(kind: str, *, mode: str, transport: str, colocate: bool) -
     allowed = caps.delta_transports if mode == "delta" else caps.full_transports
     if transport in allowed:
         return
+    if kind == "vllm" and mode == "delta":  # only ipc is left
+        raise ConfigError(
+            f"update_weight_mode='delta' over update_weight_transport={transport!r} is not possible with "
+            "rollout_engine='vllm': CUDA IPC ships handles, not bytes, so a colocated delta saves nothing; use "
+            "--update-weight-transport nccl or disk, or --update-weight-mode full"
+        )
     if kind == "sglang" and mode == "delta":
         why = {
             "nccl": "stock SGLang applies no custom loader on /update_weights_from_distributed, so a delta "

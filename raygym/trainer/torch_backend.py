@@ -38,6 +38,7 @@ from raygym.algo.batching import (
     pack_micro_batches,
 )
 from raygym.algo.losses import entropy_from_logits
+from raygym.algo.mismatch import MismatchTally
 from raygym.algo.rl_loss import RLLossConfig, rl_loss
 from raygym.builtin import resolve_model_path
 from raygym.errors import ConfigError
@@ -104,6 +105,7 @@ class TorchBackend(TrainerBackend):
         self.frozen: list[str] = []
         self.offloaded = False
         self.single_pass = False  # train_step may use its own detached log-probs as the old ones
+        self._mismatch = MismatchTally()  # engine vs own log-probs, tallied by a single-pass train_step
         self.loss_config = RLLossConfig.from_recipe(settings.recipe)
         if settings.hidden_dropout > 0.0:
             raise ConfigError(
@@ -362,6 +364,7 @@ class TorchBackend(TrainerBackend):
                 f"global_batch_size={s.global_batch_size}: must be a multiple of the {self.world_size} trainer ranks"
             )
         batch = call_hook(s, "custom_megatron_before_train_step_hook", rollout_id, batch)
+        self._mismatch = MismatchTally()
         self.model.train()
         per_step, grad_norms, lrs = [], [], []
         for step_indices in optimizer_step_slices(len(batch), s.global_batch_size):
@@ -373,6 +376,10 @@ class TorchBackend(TrainerBackend):
             per_step, grad_norms, lrs, prefix=self.METRIC_PREFIX, tokens=float(sum(batch.total_lengths())),
             seconds=time.perf_counter() - t0,
         )
+        if batch.old_log_probs is None and batch.rollout_log_probs is not None:  # single pass: tallied per micro-batch
+            if self.world_size > 1:
+                self._mismatch.all_reduce(self.device)
+            metrics.update(self._mismatch.metrics())
         metrics.update(self._role_metrics(batch))
         return metrics
 
@@ -441,6 +448,8 @@ class TorchBackend(TrainerBackend):
         def padded(rows: list[torch.Tensor] | None) -> torch.Tensor | None:
             return None if rows is None else pad_stack([r.float() for r in rows], width).to(self.device)
 
+        if mb.old_log_probs is None and mb.rollout_log_probs is not None:  # single pass: old = detached logp
+            self._mismatch.add(padded(mb.rollout_log_probs), logp.detach(), padded(mb.loss_masks))
         return rl_loss(
             logp, padded(mb.old_log_probs), padded(mb.advantages), padded(mb.loss_masks), entropy=entropy,
             config=cfg, ref_log_probs=padded(mb.ref_log_probs), rollout_log_probs=padded(mb.rollout_log_probs),

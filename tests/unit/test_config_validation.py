@@ -133,7 +133,7 @@ def test_ipc_transport_needs_colocate():
     [("advantage_estimator", "grpoo"), ("kl_loss_type", "k4"), ("lr_decay_style", "exp"), ("optimizer", "lion"),
      ("recompute_granularity", "half"), ("recompute_method", "random"), ("update_weight_mode", "sparse"),
      ("update_weight_transport", "rdma"), ("update_weight_encoding", "xor"), ("update_weight_pause_mode", "wait"),
-     ("trainer_backend", "jax"), ("rollout_engine", "vllm"), ("substep_timing", "on"), ("qkv_format", "sbhd"),
+     ("trainer_backend", "jax"), ("rollout_engine", "tgi"), ("substep_timing", "on"), ("qkv_format", "sbhd"),
      ("megatron_to_hf_mode", "auto")],
 )  # fmt: skip
 def test_enums_are_checked(field, bad):

@@ -1,0 +1,573 @@
+"""raygym's adapter for vLLM: vLLM's engine in this process, raygym's engine protocol on HTTP.
+
+Run by the interpreter where vLLM is installed, with raygym importable (the EngineActor arranges both)::
+
+    RAYGYM_ENGINE_API_KEY=... python -m raygym.rollout.vllm_server --model-path P --host 127.0.0.1 --port 30000 \\
+        [--tensor-parallel-size 1] [--gpu-memory-utilization 0.75] [--max-model-len 4096] [--max-num-seqs 128] \\
+        [--dtype auto] [--seed 0] [--weight-version 0] [--enable-sleep-mode] [--enforce-eager]
+
+Why an adapter and not ``vllm serve``: vLLM's HTTP server speaks OpenAI's API (text in, text out); raygym's
+rollout manager, EngineActor and weight sync speak SGLang's native API (:mod:`raygym.rollout.protocol`: token
+ids in, token ids and per-token log-probs out, pause/flush/abort, weight routes). vLLM's documented way to
+embed its engine is ``AsyncLLM``, which this process runs (vLLM spawns its engine-core and worker processes
+from here). Routes map onto vLLM's engine as follows:
+
+- ``/generate`` -> ``AsyncLLM.generate`` per sample (:mod:`raygym.rollout.vllm_protocol` translates);
+- ``/pause_generation`` -> ``pause_generation`` (abort -> "abort", in_place -> "keep", retract -> "keep" plus
+  a prefix-cache reset that preempts running requests, so they are recomputed after the update);
+  ``/continue_generation`` -> ``resume_generation``; ``/flush_cache`` -> ``reset_prefix_cache`` (400 while
+  requests hold KV blocks, as SGLang answers); ``/abort_request`` -> ``abort``;
+- ``/release_memory_occupation`` / ``/resume_memory_occupation`` -> ``sleep(level=1)`` / ``wake_up(tags)``
+  (memory is freed on GPU when launched with ``--enable-sleep-mode``; vLLM's CPU workers free nothing);
+- weight routes -> vLLM's weight-transfer lifecycle with raygym's backend in the workers
+  (:mod:`raygym.rollout.vllm_weights`): ``/init_weights_update_group`` -> ``init_weight_transfer_engine``,
+  ``/begin_weight_update`` / ``/end_weight_update`` -> ``start_weight_update`` / ``finish_weight_update``
+  (an update sent outside a session gets one of its own), ``/update_weights_from_distributed``, ``_disk`` and
+  ``_tensor`` -> ``update_weights`` with the chunk's description, ``/destroy_weights_update_group`` ->
+  ``shutdown_weight_transfer_engine``. There is no ``/raygym/weights_checksum``: raygym verifies vLLM by its
+  probe (see :mod:`raygym.rollout.capabilities`).
+
+With an API key in ``RAYGYM_ENGINE_API_KEY`` every route but ``/health*`` requires it (the key never goes on a
+command line); routes that change state take POST with a JSON body only (:mod:`raygym.rollout.server_http`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from raygym.rollout import protocol
+from raygym.rollout import vllm_protocol as vp
+from raygym.rollout.auth import engine_api_key
+from raygym.rollout.protocol import STATE_CHANGING, Endpoint
+from raygym.rollout.server_http import (
+    BadRequest,
+    guard_middleware,
+    handles_errors,
+    parse,
+    read_json,
+    result_response,
+)
+
+log = logging.getLogger("raygym.rollout.vllm_server")
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+WORKER_EXTENSION = "raygym.rollout.vllm_weights.RaygymWorkerExtension"
+RAYGYM_LOADERS = ("raygym.weightsync.loader.load_payload", "raygym.weightsync.loader:load_payload")
+POINTER_LOADERS = ("raygym.weightsync.loader.load_payload_via_model", "raygym.weightsync.loader:load_payload_via_model")
+PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
+
+
+class VllmAdapter:
+    """The HTTP front of one ``AsyncLLM``: generation, control and weight routes (see the module docstring)."""
+
+    def __init__(self, llm: Any, *, model_path: str, vocab_size: int, eos_token_id: int | None,
+                 weight_version: str, device: str, sleep_mode: bool, timeout_s: float,
+                 api_key: str | None = None) -> None:
+        self.llm = llm
+        self.model_path = model_path
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.weight_version = str(weight_version)
+        self.device = device
+        self.sleep_mode = sleep_mode
+        self.timeout_s = timeout_s
+        self.api_key = api_key
+        self.released: set[str] = set()
+        self._rids: dict[str, set[str]] = {}  # SGLang rid -> vLLM request ids
+        self._weights = asyncio.Lock()  # weight requests run one at a time, in arrival order
+        self._session = False  # a weight-update session is open
+        self._session_failure = ""  # why a chunk of the open session failed
+        self._version_before = self.weight_version  # what the session started from
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30,
+                              middlewares=[guard_middleware(self.api_key, frozenset(e.value for e in STATE_CHANGING))])
+        r = app.router
+        r.add_route("*", Endpoint.GENERATE.value, self.generate)
+        r.add_get(Endpoint.HEALTH.value, self.health)
+        r.add_get(Endpoint.HEALTH_GENERATE.value, self.health_generate)
+        r.add_get(Endpoint.MODEL_INFO.value, self.model_info)
+        r.add_get(Endpoint.GET_MODEL_INFO.value, self.model_info)
+        r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_get(Endpoint.RAYGYM_STATS.value, self.stats)
+        handlers = {
+            Endpoint.FLUSH_CACHE: self.flush_cache, Endpoint.PAUSE_GENERATION: self.pause_generation,
+            Endpoint.CONTINUE_GENERATION: self.continue_generation, Endpoint.ABORT_REQUEST: self.abort_request,
+            Endpoint.RELEASE_MEMORY: self.release_memory, Endpoint.RESUME_MEMORY: self.resume_memory,
+            Endpoint.INIT_WEIGHTS_UPDATE_GROUP: self.init_weights_update_group,
+            Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP: self.destroy_weights_update_group,
+            Endpoint.BEGIN_WEIGHT_UPDATE: self.begin_weight_update, Endpoint.END_WEIGHT_UPDATE: self.end_weight_update,
+            Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED: self.update_weights_from_distributed,
+            Endpoint.UPDATE_WEIGHTS_FROM_DISK: self.update_weights_from_disk,
+            Endpoint.UPDATE_WEIGHTS_FROM_TENSOR: self.update_weights_from_tensor,
+            Endpoint.UPDATE_WEIGHT_VERSION: self.update_weight_version,
+        }
+        for endpoint, handler in handlers.items():
+            r.add_route("*", endpoint.value, handler)  # methods other than POST get a 405 from the guard
+        return app
+
+    # ----- generation -----
+    @handles_errors
+    async def generate(self, request: web.Request) -> web.Response:
+        if request.method not in ("POST", "PUT"):
+            raise BadRequest("/generate: use POST", 405)
+        req = await parse(request, protocol.GenerateRequest)
+        if req.stream:
+            raise BadRequest("stream=true is not supported by raygym's vLLM adapter; send stream=false")
+        if (req.input_ids is None) == (req.text is None):
+            raise BadRequest("send exactly one of 'input_ids' (token ids) or 'text'")
+        if req.text is not None:
+            texts = [req.text] if isinstance(req.text, str) else req.text
+            tokenizer = self.llm.get_tokenizer()
+            prompts, single = [tokenizer.encode(t) for t in texts], isinstance(req.text, str)
+        else:
+            prompts, single = vp.prompt_batch(req.input_ids, self.vocab_size)
+        count = len(prompts)
+        params = [vp.sampling_kwargs(p) for p in vp.per_item(req.sampling_params, count, "sampling_params", dict, {})]
+        rids = vp.per_item(req.rid, count, "rid", str, None)
+        want_logprob = vp.per_item(req.return_logprob, count, "return_logprob", bool, False)
+        starts = vp.per_item(req.logprob_start_len, count, "logprob_start_len", int, -1)
+        jobs = []
+        for ids, (kwargs, n), rid, lp, start in zip(prompts, params, rids, want_logprob, starts, strict=True):
+            rid = rid or uuid.uuid4().hex
+            for k in range(n):
+                jobs.append(self._sample(rid, f"{rid}-{k}" if n > 1 else rid, ids, kwargs, lp, start))
+        outputs = await asyncio.gather(*jobs)
+        return web.json_response(outputs[0] if single and len(outputs) == 1 else outputs)
+
+    async def _sample(self, rid: str, request_id: str, ids: list[int], kwargs: dict[str, Any], logprob: bool,
+                      start: int) -> dict[str, Any]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(**kwargs, logprobs=0 if logprob else None,
+                                prompt_logprobs=0 if logprob and start >= 0 else None,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        started = time.monotonic()
+        self._rids.setdefault(rid, set()).add(request_id)
+        final = None
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(ids)), params, request_id=request_id):
+                final = out
+        finally:
+            ids_of_rid = self._rids.get(rid)
+            if ids_of_rid is not None:
+                ids_of_rid.discard(request_id)
+                if not ids_of_rid:
+                    del self._rids[rid]
+        if final is None or not final.outputs:
+            return vp.generate_answer(rid=rid, prompt_ids=ids, output_ids=[], text="", weight_version=self.weight_version,
+                                      finish=vp.finish_reason("abort", None, eos_token_id=None, completion_tokens=0,
+                                                              message="aborted"),
+                                      output_logprobs=[] if logprob else None, latency_s=time.monotonic() - started)
+        comp = final.outputs[0]
+        tokens = list(comp.token_ids)
+        out_lp = [float(step[tok].logprob) for step, tok in zip(comp.logprobs or [], tokens, strict=False)] \
+            if logprob else None
+        if out_lp is not None and len(out_lp) != len(tokens):
+            raise RuntimeError(f"vLLM returned {len(out_lp)} log-probs for {len(tokens)} tokens")
+        prompt_lp = None
+        if final.prompt_logprobs is not None:
+            prompt_lp = [None if step is None else float(step[tok].logprob)
+                         for step, tok in zip(final.prompt_logprobs, ids, strict=True)]
+        finish = vp.finish_reason(comp.finish_reason, comp.stop_reason, eos_token_id=self.eos_token_id,
+                                  completion_tokens=len(tokens), message="aborted")
+        return vp.generate_answer(rid=rid, prompt_ids=ids, output_ids=tokens, text=comp.text, finish=finish,
+                                  weight_version=self.weight_version, output_logprobs=out_lp, prompt_logprobs=prompt_lp,
+                                  logprob_start_len=start, cached_tokens=int(final.num_cached_tokens or 0),
+                                  latency_s=time.monotonic() - started)
+
+    # ----- health and info -----
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if not self.llm.errored else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """One greedy token through the model; 503 when paused, asleep, released or stuck."""
+        if self.llm.errored or self.released or await self.llm.is_paused() or await self.llm.is_sleeping():
+            return web.Response(status=503, text="generation is paused or memory is released\n")
+        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+        try:
+            answer = await asyncio.wait_for(self._sample(rid, rid, [0], {"max_tokens": 1, "temperature": 0.0,
+                                                                         "ignore_eos": True}, False, -1),
+                                            HEALTH_GENERATE_TIMEOUT_S)
+        except (asyncio.TimeoutError, RuntimeError):
+            return web.Response(status=503)
+        return web.Response(status=200 if answer["meta_info"]["finish_reason"]["type"] != "abort" else 503)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        import vllm
+
+        return web.json_response({
+            "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": self.weight_version,
+            "has_image_understanding": False, "has_audio_understanding": False, "engine": "vllm",
+            "vllm_version": vllm.__version__, "device": self.device,
+            "dtype": str(self.llm.model_config.dtype).removeprefix("torch."),
+            "max_model_len": self.llm.model_config.max_model_len,
+        })
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.weight_version})
+
+    async def stats(self, request: web.Request) -> web.Response:
+        """``{"running": requests in flight, "paused", "sleeping", "released", "weight_version"}``."""
+        return web.json_response({
+            "running": sum(len(ids) for ids in self._rids.values()), "paused": await self.llm.is_paused(),
+            "sleeping": await self.llm.is_sleeping(), "released": sorted(self.released),
+            "weight_version": self.weight_version})
+
+    # ----- pause, flush, abort -----
+    @handles_errors
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.PauseGeneration, required=False)
+        mode = PAUSE_MODES[req.mode]
+        await self.llm.pause_generation(mode=mode, clear_cache=req.mode == "abort")
+        if req.mode == "retract":  # drop the KV of kept requests: they are recomputed after the update
+            await self.llm.reset_prefix_cache(reset_running_requests=True)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    @handles_errors
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await parse(request, protocol.ContinueGeneration, required=False)
+        if self.released == {"kv_cache"}:
+            # Colocated: the weights are back and the sync wants to generate (its probe) before the driver
+            # resumes the KV cache; vLLM's scheduler may only run with all of its memory resident.
+            await self._wake(["kv_cache"])
+        await self.llm.resume_generation()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        ok = await self.llm.reset_prefix_cache()
+        return web.Response(text="Cache flushed.\n" if ok else "Flush cache failed: requests hold the KV cache.\n",
+                            status=200 if ok else 400)
+
+    @handles_errors
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """Abort one request by ``rid`` or every one; an empty ``rid`` without ``abort_all`` does nothing."""
+        req = await parse(request, protocol.AbortRequest, required=False)
+        if req.abort_all:
+            targets = [i for ids in self._rids.values() for i in ids]
+        else:
+            targets = sorted(self._rids.get(req.rid or "", ()))
+        if targets:
+            await self.llm.abort(targets)
+        return web.Response(status=200)
+
+    # ----- memory -----
+    @handles_errors
+    async def release_memory(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.MemoryTags, required=False)
+        tags = set(req.tags or ("weights", "kv_cache")) - {"cuda_graph"}
+        if tags and not self.released:
+            await self.llm.sleep(level=1, mode="abort")  # weights to host, KV cache discarded (on GPU)
+            self.released = {"weights", "kv_cache"}
+        return web.json_response(None)
+
+    @handles_errors
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.MemoryTags, required=False)
+        await self._wake(list(set(req.tags or ("weights", "kv_cache")) - {"cuda_graph"}))
+        return web.json_response(None)
+
+    async def _wake(self, tags: list[str]) -> None:
+        wanted = sorted(self.released & set(tags))
+        if wanted:
+            await self.llm.wake_up(tags=wanted)
+            self.released -= set(wanted)
+
+    # ----- weights -----
+    @handles_errors
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        req = await parse(request, protocol.InitWeightsUpdateGroup)
+        if req.rank_offset == 0 or req.rank_offset >= req.world_size:
+            raise BadRequest(f"rank_offset={req.rank_offset}: must be in [1, world_size={req.world_size}); rank 0 "
+                             "is the sender")
+        info = {**req.model_dump(), "timeout_s": self.timeout_s}
+        async with self._weights:
+            try:
+                await self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+            except Exception as exc:
+                return _fail(f"Failed to init group {req.group_name!r}: {_why(exc)}")
+        return _ok(f"Succeeded to initialize custom process group {req.group_name!r}.")
+
+    @handles_errors
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        await parse(request, protocol.DestroyWeightsUpdateGroup, required=False)
+        async with self._weights:
+            try:
+                await self.llm.shutdown_weight_transfer_engine()
+            except Exception as exc:
+                return _fail(f"Failed to destroy the weight-update group: {_why(exc)}")
+        return _ok("Succeeded to destroy the weight-update group.")
+
+    @handles_errors
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        await parse(request, protocol.BeginWeightUpdate, required=False)
+        async with self._weights:
+            if self._session:
+                return _fail("a weight-update session is already open; call /end_weight_update first")
+            await self.llm.start_weight_update()
+            self._session, self._session_failure, self._version_before = True, "", self.weight_version
+        return _ok("Success")
+
+    @handles_errors
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await read_json(request, required=False)
+        async with self._weights:
+            if not self._session:
+                return _fail("no weight-update session is open; call /begin_weight_update first")
+            return result_response(await self._finish())
+
+    async def _finish(self) -> dict[str, Any]:
+        """Close the session. The served version label moved with each chunk that loaded (SGLang's rule, which
+        the sync coordinator reads before the session ends); after a failed chunk it is the one from before."""
+        failure = self._session_failure
+        self._session, self._session_failure = False, ""
+        await self.llm.finish_weight_update(weight_version=None if failure else self.weight_version)
+        if failure:  # reported on the chunk that failed; the session closes so a full resync can follow
+            return {"success": True, "message": f"session closed; nothing of it is served ({failure})"}
+        return {"success": True, "message": f"Weight version updated to {self.weight_version}."}
+
+    @handles_errors
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.UpdateWeightsFromDistributed)
+        if req.load_format == protocol.FLATTENED_BUCKET:
+            payload = "flattened"
+        elif req.load_format in RAYGYM_LOADERS:
+            payload = "raygym"
+        elif req.load_format in (None, "", "auto"):
+            payload = "tensors"
+        else:
+            raise BadRequest(f"load_format={req.load_format!r}: vLLM's adapter takes 'flattened_bucket', raygym "
+                             f"buckets ({RAYGYM_LOADERS[0]}) or none (one broadcast per tensor)")
+        info = {"source": "group", "payload": payload, "group_name": req.group_name, "names": req.names,
+                "dtypes": req.dtypes, "shapes": req.shapes}
+        return result_response(await self._update(info, req))
+
+    @handles_errors
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.UpdateWeightsFromDisk)
+        if req.load_format in RAYGYM_LOADERS:
+            payload = "raygym"
+        elif req.load_format in (None, "", "auto", "safetensors"):
+            payload = "tensors"
+        else:
+            raise BadRequest(f"load_format={req.load_format!r}: vLLM's adapter reads HF safetensors directories "
+                             f"(no load_format) or raygym version directories ({RAYGYM_LOADERS[0]})")
+        return result_response(await self._update({"source": "disk", "payload": payload, "url": req.model_path}, req))
+
+    @handles_errors
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.UpdateWeightsFromTensor)
+        if not req.serialized_named_tensors:
+            raise BadRequest("serialized_named_tensors is empty: one entry per TP rank is expected")
+        if req.load_format in POINTER_LOADERS:  # raygym's disk transport: a pointer to a version directory
+            from raygym.weightsync.tensor_pickle import POINTER_NAME, loads_named_tensors
+
+            named = loads_named_tensors(req.serialized_named_tensors[0])
+            if len(named) != 1 or named[0][0] != POINTER_NAME:
+                raise BadRequest(f"load_format={req.load_format!r} takes one {POINTER_NAME} tensor")
+            pointer = json.loads(bytes(named[0][1].numpy().tobytes()).decode())
+            info = {"source": "disk", "payload": "raygym", "url": str(pointer["url"]),
+                    "ack_engine": int(pointer["engine"]), "version": str(pointer.get("version", ""))}
+        elif req.load_format in (None, "", "auto"):
+            info = {"source": "tensors", "payload": "tensors", "serialized": req.serialized_named_tensors}
+        else:
+            raise BadRequest(f"load_format={req.load_format!r}: not a loader vLLM's adapter knows")
+        return result_response(await self._update(info, req))
+
+    async def _update(self, info: dict[str, Any], req: Any) -> dict[str, Any]:
+        """One chunk through vLLM's ``update_weights`` (inside the open session, or one of its own)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        if self.released & {"weights"}:
+            raise BadRequest("weights are released; call /resume_memory_occupation with tags ['weights'] first")
+        if req.abort_all_requests:
+            targets = [i for ids in self._rids.values() for i in ids]
+            if targets:
+                await self.llm.abort(targets)
+        async with self._weights:
+            own = not self._session
+            if own:
+                await self.llm.start_weight_update()
+                self._session, self._session_failure, self._version_before = True, "", self.weight_version
+            failure = ""
+            try:
+                await self.llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+                failure = "; ".join(f for f in await self.llm.collective_rpc("raygym_take_failure") if f)
+            except Exception as exc:
+                failure = _why(exc)
+            if failure:
+                self._session_failure = self._session_failure or failure
+                self.weight_version = self._version_before
+            elif req.weight_version is not None and not self._session_failure:
+                self.weight_version = req.weight_version
+            finished = await self._finish() if own else None
+        if failure:
+            return {"success": False, "message": f"Failed to update weights: {failure}; the served weights and "
+                                                 f"weight_version {self.weight_version!r} stay as they were "
+                                                 "until a full update succeeds", "num_paused_requests": 0}
+        return {"success": True, "num_paused_requests": 0,
+                "message": finished["message"] if finished else "Succeeded to receive the weights (session open)."}
+
+    @handles_errors
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        version = body.get("new_version")
+        if not isinstance(version, (str, int)) or isinstance(version, bool) or str(version) == "":
+            raise BadRequest("new_version: required, a non-empty string")
+        self.weight_version = str(version)
+        await self.llm.update_weight_version(self.weight_version)
+        return web.json_response({"success": True, "message": f"Weight version updated to {version}",
+                                  "new_version": self.weight_version})
+
+
+def _ok(message: str) -> web.Response:
+    return result_response({"success": True, "message": message})
+
+
+def _fail(message: str) -> web.Response:
+    return result_response({"success": False, "message": message})
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:1000]}"
+
+
+# --------------------------------------------------------------------------- start-up
+
+
+def model_facts(model_path: str) -> dict[str, Any]:
+    """What the adapter reads from a HF checkpoint's ``config.json``: vocab size, context length and the
+    bytes one token's KV cache takes (per TP rank of 1)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    text = config.get("text_config") or config
+    heads = text.get("num_attention_heads", 1)
+    head_dim = text.get("head_dim") or text.get("hidden_size", 0) // max(1, heads)
+    kv_heads = text.get("num_key_value_heads") or heads
+    dtype = str(text.get("dtype") or text.get("torch_dtype") or "bfloat16")
+    itemsize = 4 if "32" in dtype else 2
+    return {"vocab_size": int(text["vocab_size"]), "max_position_embeddings": text.get("max_position_embeddings"),
+            "dtype": dtype,
+            "head_dim": head_dim, "kv_bytes_per_token": 2 * text.get("num_hidden_layers", 1) * kv_heads * head_dim
+            * itemsize}
+
+
+def cpu_dtype(requested: str, checkpoint_dtype: str, cpu_flags: str) -> str:
+    """The dtype vLLM runs on CPU. ``auto`` keeps a float32 checkpoint in float32 on CPUs without bf16 matrix
+    instructions (vLLM's own ``auto`` picks bf16 there, which such CPUs emulate: 64 prompts x 64 tokens of a
+    10M model ran 4x slower than in float32 on a 2-core AVX2 machine); otherwise vLLM decides.
+
+    >>> cpu_dtype("auto", "float32", "avx2 fma"), cpu_dtype("auto", "float32", "avx512_bf16 amx_bf16")
+    ('float32', 'auto')
+    """
+    if requested == "auto" and checkpoint_dtype == "float32" and not {"avx512_bf16", "amx_bf16"} & set(cpu_flags.split()):
+        return "float32"
+    return requested
+
+
+def cpu_kv_cache_gib(kv_bytes_per_token: int, max_num_seqs: int, max_model_len: int) -> int:
+    """GiB for ``VLLM_CPU_KVCACHE_SPACE``: every sequence at full length, between 1 and 64 GiB.
+
+    >>> cpu_kv_cache_gib(1024, 128, 256)
+    1
+    """
+    return max(1, min(64, math.ceil(kv_bytes_per_token * max_num_seqs * max_model_len / 2**30)))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m raygym.rollout.vllm_server",
+                                description="raygym's engine protocol in front of vLLM's engine")
+    p.add_argument("--model-path", required=True, help="HF checkpoint directory or builtin:tiny-qwen3")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.75)
+    p.add_argument("--max-model-len", type=int, default=None, help="clamped to the model's context length")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--dtype", default="auto", help="auto: vLLM's choice, but float32 checkpoints stay float32 on "
+                   "CPUs without bf16 instructions (see cpu_dtype)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--enable-sleep-mode", action="store_true", help="GPU: let release/resume free memory")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--weight-update-timeout", type=float, default=600.0)
+    p.add_argument("--engine-args", default="{}", help="JSON object of further vLLM engine arguments")
+    p.add_argument("--log-level", default="warning")
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    from raygym.builtin import is_builtin, materialize_model
+
+    model_path = args.model_path
+    if is_builtin(model_path):
+        model_path = materialize_model(model_path, tempfile.mkdtemp(prefix="raygym-model-"))
+    facts = model_facts(model_path)
+    max_len = args.max_model_len
+    if facts["max_position_embeddings"]:
+        max_len = min(max_len or facts["max_position_embeddings"], facts["max_position_embeddings"])
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    device = "cpu" if current_platform.is_cpu() else "cuda"
+    dtype = args.dtype
+    if device == "cpu":
+        flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+        dtype = cpu_dtype(args.dtype, facts["dtype"], flags)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib(
+            facts["kv_bytes_per_token"], args.max_num_seqs, max_len or 4096)))
+    engine_args = AsyncEngineArgs(
+        model=model_path, tokenizer=model_path, dtype=dtype, seed=args.seed, max_model_len=max_len,
+        tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager or device == "cpu",
+        enable_sleep_mode=args.enable_sleep_mode and device == "cuda", logprobs_mode="processed_logprobs",
+        worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": "raygym"},
+        disable_log_stats=True, **json.loads(args.engine_args))
+    llm = AsyncLLM.from_engine_args(engine_args)
+    tokenizer = llm.get_tokenizer()
+    adapter = VllmAdapter(
+        llm, model_path=model_path, vocab_size=facts["vocab_size"], eos_token_id=getattr(tokenizer, "eos_token_id", None),
+        weight_version=args.weight_version, device=device, sleep_mode=args.enable_sleep_mode,
+        timeout_s=args.weight_update_timeout, api_key=engine_api_key())
+    runner = web.AppRunner(adapter.app(), access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    print(f"raygym vLLM adapter ready on http://{args.host}:{args.port} (model {model_path}, {device})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    llm.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":  # vLLM spawns its engine-core process: nothing may run on import
+    main()
