@@ -70,7 +70,7 @@ def receiver_main(conn, shapes: dict[str, tuple[tuple[int, ...], str]]) -> None:
                 if raw.numel() != payload["nbytes"]:
                     raw = torch.empty(payload["nbytes"], dtype=torch.uint8)
                 for start in range(0, payload["nbytes"], payload["piece"]):
-                    broadcast(receiver.groups[payload["group_name"]], raw[start : start + payload["piece"]], 300)
+                    broadcast(receiver.groups[payload["group_name"]].pg, raw[start : start + payload["piece"]], 300)
                 answer = {"success": True}
             else:
                 answer = getattr(receiver, endpoint)(**payload)
@@ -88,7 +88,7 @@ class PipeEngineLink:
         self._waiting: deque[Future] = deque()
         threading.Thread(target=self._read, daemon=True).start()
 
-    def call(self, endpoint, payload, timeout):
+    def call(self, endpoint, payload, timeout, method="POST"):
         fut: Future = Future()
         with self._lock:
             self._waiting.append(fut)

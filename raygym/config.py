@@ -277,7 +277,7 @@ _RECIPE_CHOICES: dict[str, tuple[Any, ...]] = {
     "recompute_method": ("uniform", "block"),
     "qkv_format": ("thd", "bshd"),
     "megatron_to_hf_mode": ("", "bridge", "raw"),
-    "update_weight_mode": ("full", "delta"),
+    "update_weight_mode": ("full", "delta", "auto"),
     "update_weight_transport": ("nccl", "disk", "ipc"),
     "update_weight_encoding": ("indices", "deltas", "deltas_zstd"),
     "update_weight_pause_mode": ("abort", "in_place"),
@@ -518,7 +518,8 @@ class Recipe(_Section):
 
     # ── weight sync ──
     update_weight_mode: str = _f(
-        "full", "Weight synchronization mode. 'full' sends all weights; 'delta' sends byte-level changes."
+        "full", "Weight synchronization mode. 'full' sends all weights; 'delta' sends byte-level changes; 'auto' "
+        "picks full or delta for each sync from the measured cost of both (fast links: full; slow links: delta)."
     )
     update_weight_transport: str = _f(
         "nccl", "'nccl' (gloo on CPU), 'disk' (needs a shared filesystem) or 'ipc' (colocated on GPU)."
@@ -531,6 +532,12 @@ class Recipe(_Section):
         "abort", "How engines pause generation for a sync: 'abort' or 'in_place'."
     )
     update_weight_timeout: float = _f(600.0, "Seconds one weight sync may take before it fails.")
+    update_weight_double_buffer: bool = _f(
+        False,
+        "Engines receive the next version into a shadow copy while they keep serving the current one, then "
+        "switch between two forward passes: generation pauses only for the switch (raygym's server; costs a "
+        "second copy of the weights on every engine).",
+    )
     update_weight_probe_tolerance: float = _f(
         0.1,
         "Engines verified by probe (stock SGLang): largest mean |log-prob difference| between the engine and "
@@ -786,9 +793,16 @@ class Recipe(_Section):
                 "update_weight_transport='ipc' needs colocate=True (handles only work on the same GPU); "
                 "use --update-weight-transport nccl or pass --colocate"
             )
+        if self.update_weight_double_buffer and self.colocate:
+            raise ConfigError(
+                "update_weight_double_buffer=True with colocate=True: colocated engines release their memory for "
+                "training and receive weights by handle, there is nothing to serve from during a sync; pass "
+                "--no-update-weight-double-buffer or --no-colocate"
+            )
         if self.rollout_engine != "auto":
             check_weight_sync(self.rollout_engine, mode=self.update_weight_mode,
-                              transport=self.update_weight_transport, colocate=self.colocate)
+                              transport=self.update_weight_transport, colocate=self.colocate,
+                              double_buffer=self.update_weight_double_buffer)
         if self.advantage_estimator == "ppo" and not self.use_critic:
             raise ConfigError(
                 "advantage_estimator='ppo' needs use_critic=True (PPO learns a value function); pass --use-critic"
@@ -1387,9 +1401,15 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+# Python 3.11's argparse turns ``--flag=--`` into an empty list: the value travels under this stand-in.
+_DOUBLE_DASH = "\x00--"
+
+
 def _from_cli_args(args: list[str]) -> TrainConfig:
     flag_args, toml_files = _split_toml_includes(args)
+    flag_args = [a[:-2] + _DOUBLE_DASH if a.startswith("--") and a.endswith("=--") else a for a in flag_args]
     parsed = vars(_cached_parser().parse_args(flag_args))
+    parsed = {dest: "--" if raw == _DOUBLE_DASH else raw for dest, raw in parsed.items()}
     layers: dict[str, dict[str, Any]] = {section: {} for section in _SECTIONS}
     preset_name: str | None = None
     for path in toml_files:

@@ -200,6 +200,7 @@ class DistTransport:
         self.backend = backend or default_backend()
         self.timeout_s = float(timeout_s)
         self._unanswered: list[tuple[int, list[Future]]] = []  # (version, futures) of sent buckets
+        self.apply_s = [0.0] * len(self.engines)  # per engine, this push: seconds its loads took (its answers)
         self.group_name = ""
         self._pg: Any = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)), thread_name_prefix="raygym-ws")
@@ -240,6 +241,7 @@ class DistTransport:
     def begin(self, version: int) -> None:
         if self._pg is None:
             self.connect()
+        self.apply_s = [0.0] * len(self.engines)
 
     def send_bucket(self, version: int, manifest: torch.Tensor, flat: torch.Tensor) -> None:
         """Post the receive request to every engine, broadcast manifest then buffer.
@@ -293,6 +295,10 @@ class DistTransport:
         if failed:
             self._unanswered.clear()
             raise WeightSyncError(f"version {version}: engine(s) failed to load a bucket: {'; '.join(failed)}")
+        for i, fut in enumerate(futures):
+            answer = fut.result()
+            if isinstance(answer, dict):
+                self.apply_s[i] += float(answer.get("apply_s") or 0.0)
 
     def close_group(self) -> None:
         """Leave the current group (engines are asked to destroy theirs; failures are ignored)."""
