@@ -46,6 +46,7 @@ from raygym.weightsync.codec import (
     as_uint8,
     changed_positions_np,
     checksum,
+    copy_and_checksum,
     copy_bytes,
     delta_nbytes,
     dtype_from_name,
@@ -279,10 +280,10 @@ class WeightSender:
         typed = slot.view(torch.uint8 if dtype == torch.bool else dtype)
         flat = tensor.reshape(-1)
         if tensor.dtype == dtype and flat.is_contiguous() and flat.device.type == "cpu":
-            copy_bytes(slot, flat)
+            digest = copy_and_checksum(slot, flat)
         else:  # cast (or move) and pack in one pass, straight into the bucket
             typed.copy_(flat)
-        digest = checksum(slot)
+            digest = checksum(slot)
         pipe.add(item.name, shape, dtype_name(dtype), FULL, full_bytes, digest)
         if self.spec.keeps_snapshot:  # the snapshot copies the engine-dtype bytes from the bucket
             self.snapshot.overwrite(item.name, (typed.view(torch.bool) if dtype == torch.bool else typed).view(shape))

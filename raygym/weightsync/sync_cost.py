@@ -11,11 +11,12 @@ transport and engine kind:
   enough bytes for the rate to be meaningful);
 - ``delta``: the part that does not depend on the wire, per byte of the weights (comparing, encoding,
   applying, hashing: what the delta costs even on an infinitely fast link), plus the wire time of its
-  payload; the payload is predicted from the last deltas' payload/weights ratio.
+  payload; the payload is predicted from the last delta's payload/weights ratio.
 
 So a link that gets slower raises both predictions from full syncs alone, and the model moves to delta
 when the two cross. Estimates are exponential moving averages (``smoothing`` = the weight of the
-newest sync). The mode that is not chosen is measured again now and then, but only when the time it
+newest sync); the mode in use is kept until the other is predicted ``switch_margin`` cheaper (timings
+on a shared machine are noisy, and two modes within a few percent cost the same). The mode that is not chosen is measured again now and then, but only when the time it
 is predicted to lose is within ``explore_budget`` of the seconds spent since it was last measured: a
 mode ten times slower is rarely retried, a close one regularly. A mode never measured is tried first.
 
@@ -61,8 +62,9 @@ class SyncSample:
 
 @dataclass(frozen=True)
 class ModeChoice:
-    """The mode for the next sync and why: ``cheaper`` (the lower prediction), ``explore`` (measured
-    again, or for the first time), ``only`` (a single mode is possible)."""
+    """The mode for the next sync and why: ``cheaper`` (the lower prediction), ``kept`` (the mode in use,
+    the other not being ``switch_margin`` cheaper), ``explore`` (measured again, or for the first time),
+    ``only`` (a single mode is possible), ``forced`` (a full sync the coordinator requires)."""
 
     mode: str
     reason: str
@@ -87,7 +89,8 @@ class SyncCostModel:
     """
 
     modes: tuple[str, ...] = MODES
-    smoothing: float = 0.5
+    smoothing: float = 0.3
+    switch_margin: float = 0.1
     explore_budget: float = 0.05
     warmup_factor: float = 2.0
     full_s_per_byte: float | None = None
@@ -97,6 +100,7 @@ class SyncCostModel:
     samples: int = 0
     _spent_since: dict[str, float] = field(default_factory=lambda: {m: 0.0 for m in MODES})
     _seen: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
+    _incumbent: str | None = None
 
     def __post_init__(self) -> None:
         if not self.modes or any(m not in MODES for m in self.modes):
@@ -118,7 +122,7 @@ class SyncCostModel:
             wire_s = (self.wire_s_per_byte or 0.0) * sample.wire_bytes
             fixed = max(0.0, sample.seconds - wire_s) / sample.raw_bytes
             self.delta_fixed_s_per_byte = _blend(self.delta_fixed_s_per_byte, fixed, w)
-            self.delta_payload_ratio = _blend(self.delta_payload_ratio, sample.wire_bytes / sample.raw_bytes, w)
+            self.delta_payload_ratio = sample.wire_bytes / sample.raw_bytes  # exact, not noisy: the latest
         self.samples += 1
         self._seen[sample.mode] = seen + 1
         for mode in MODES:
@@ -145,8 +149,13 @@ class SyncCostModel:
             return ModeChoice(unmeasured[0], "explore", full, delta)
         assert full is not None and delta is not None
         best, other = ("delta", "full") if delta < full else ("full", "delta")
+        reason = "cheaper"
+        incumbent = self._incumbent
+        if incumbent == other and predicted[best] > (1 - self.switch_margin) * predicted[incumbent]:
+            best, other, reason = other, best, "kept"  # not clearly cheaper: stay
         loss = abs(full - delta)
         warming = self._seen[other] == 1 and min(full, delta) * self.warmup_factor >= max(full, delta)
         if warming or loss <= self.explore_budget * self._spent_since[other]:
             return ModeChoice(other, "explore", full, delta)
-        return ModeChoice(best, "cheaper", full, delta)
+        self._incumbent = best
+        return ModeChoice(best, reason, full, delta)
