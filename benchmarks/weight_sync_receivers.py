@@ -134,6 +134,8 @@ class Receivers:
             proc.start()
             self.procs.append(proc)
             self.links.append(PipeEngineLink(a, f"receiver{tag}{i}"))
+        for link in self.links:  # started and holding their model: nothing else competes for the CPU later
+            assert link.call("model_info", {}, 600)["is_generation"]
 
     def close(self) -> None:
         for link in self.links:
