@@ -92,7 +92,9 @@ class RunGraph:
 
         from raygym.weightsync.coordinator import WeightSync
 
+        learned = None  # what update_weight_mode="auto" measured so far carries over to the new group
         if self.weight_sync is not None:
+            learned = self.weight_sync.cost_model
             self.weight_sync.shutdown()  # the trainer leaves the old group; live engines destroy theirs
             self.weight_sync = None
         from raygym.rollout.capabilities import weight_update_session
@@ -104,7 +106,7 @@ class RunGraph:
             overrides["cast_dtype"] = self.engine_dtype
         sync = WeightSync(self.recipe, self.trainers.handles, [self.engine_urls[i] for i in engine_indexes],
                           engine_kind=info["kind"], session=weight_update_session(info["kind"], info["version"]),
-                          spec_overrides=overrides)
+                          spec_overrides=overrides, cost_model=learned)
         sync.setup()
         self.weight_sync, self.synced_engines = sync, list(engine_indexes)
         return sync

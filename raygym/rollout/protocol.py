@@ -198,7 +198,10 @@ class WeightsChecksum(_Body):
 
 
 class ShadowBegin(_Body):
-    """raygym extension: the following weight updates load into a shadow copy while the model serves."""
+    """raygym extension: the following weight updates load into a shadow copy while the model serves;
+    ``full``: the update rewrites every tensor it sends (no need to copy the served weights first)."""
+
+    full: bool = False
 
 
 class ShadowSwitch(_Body):

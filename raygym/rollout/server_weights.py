@@ -116,7 +116,7 @@ class WeightRoutes:
 
     @handles_errors
     async def shadow_discard(self, request: web.Request) -> web.Response:
-        await parse(request, protocol.ShadowBegin, required=False)
+        await read_json(request, required=False)
         return result_response(self.receiver.shadow_discard())
 
     @handles_errors

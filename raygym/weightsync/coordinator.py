@@ -31,7 +31,7 @@ longest switch with it.
 >>> sync.setup(); metrics = sync.push(version=1); sync.shutdown()                         # doctest: +SKIP
 
 ``trainers`` are TrainerActor handles (rank 0 first) with ``init_weight_sync(spec)``,
-``push_weights(version, force_full)``, ``commit_weights(version)``, ``discard_weights()`` and, for the
+``push_weights(version, force_full, refresh_snapshot)``, ``commit_weights(version)``, ``discard_weights()`` and, for the
 probe, ``probe_log_probs(prompts, responses)``; plain objects with those methods (same process) work too.
 """
 
@@ -115,9 +115,10 @@ class WeightSync:
         force = self._force_full or (self.full_interval > 0 and self.syncs % self.full_interval == 0
                                      and self.syncs > 0)
         choice = self._choose(force)
+        refresh = True
         if choice is not None and choice.mode == "full":
-            force = True
-        result, error = self._attempt(version, force)
+            force, refresh = True, choice.refresh_snapshot
+        result, error = self._attempt(version, force, refresh)
         if error is None and self.verification == "probe":
             error = self._probe(version, result["metrics"])
         measured_s = time.perf_counter() - start
@@ -167,18 +168,19 @@ class WeightSync:
         metrics["sync/measured_s"] = measured_s
         metrics["sync/explore"] = 1.0 if choice.reason == "explore" else 0.0
 
-    def _attempt(self, version: int, force_full: bool) -> tuple[dict[str, Any], str | None]:
-        """One push of ``version``: into the engines' shadow copies, or paused."""
+    def _attempt(self, version: int, force_full: bool, refresh: bool = True) -> tuple[dict[str, Any], str | None]:
+        """One push of ``version``: into the engines' shadow copies, or paused. ``refresh``: a full push also
+        updates the sender's delta snapshot."""
         if self.double_buffer:
-            return self._shadow_push(version, force_full)
-        return self._paused_push(version, force_full)
+            return self._shadow_push(version, force_full, refresh)
+        return self._paused_push(version, force_full, refresh)
 
-    def _shadow_push(self, version: int, force_full: bool) -> tuple[dict[str, Any], str | None]:
+    def _shadow_push(self, version: int, force_full: bool, refresh: bool) -> tuple[dict[str, Any], str | None]:
         """Load into every engine's shadow copy while they serve, verify the shadows, switch, commit."""
         start = time.perf_counter()
         try:
-            catch_up = [checked(link, "raygym/shadow_begin", {}, self.timeout_s) for link in self.links]
-            result, error = self._push_and_verify(version, force_full, shadow=True)
+            catch_up = [checked(link, "raygym/shadow_begin", {"full": force_full}, self.timeout_s) for link in self.links]
+            result, error = self._push_and_verify(version, force_full, refresh, shadow=True)
             if error is None:
                 switched = [checked(link, "raygym/shadow_switch",
                                     {"weight_version": str(version), "abort_all_requests": self.pause_mode == "abort"},
@@ -199,7 +201,7 @@ class WeightSync:
             result["metrics"]["sync/shadow_s"] = time.perf_counter() - start
         return result, error
 
-    def _paused_push(self, version: int, force_full: bool) -> tuple[dict[str, Any], str | None]:
+    def _paused_push(self, version: int, force_full: bool, refresh: bool) -> tuple[dict[str, Any], str | None]:
         """Pause, push and verify what can be verified while paused, commit, continue."""
         paused_at = time.perf_counter()
         self._pause()
@@ -207,7 +209,7 @@ class WeightSync:
             if self.session:
                 self._all("begin_weight_update", {})
             try:
-                result, error = self._push_and_verify(version, force_full)
+                result, error = self._push_and_verify(version, force_full, refresh)
             finally:
                 if self.session:
                     self._all("end_weight_update", {})
@@ -297,10 +299,10 @@ class WeightSync:
         except Exception:
             pass
 
-    def _push_and_verify(self, version: int, force_full: bool, shadow: bool = False
+    def _push_and_verify(self, version: int, force_full: bool, refresh: bool, shadow: bool = False
                          ) -> tuple[dict[str, Any], str | None]:
         try:
-            results = _invoke_all(self.trainers, "push_weights", version, force_full, timeout=self.timeout_s)
+            results = _invoke_all(self.trainers, "push_weights", version, force_full, refresh, timeout=self.timeout_s)
         except WeightSyncError as exc:
             return {}, str(exc)
         except Exception as exc:  # a Ray task error wraps the WeightSyncError raised in the trainer

@@ -324,12 +324,13 @@ class WeightReceiver:
     # ----- double-buffered updates -----
     def shadow_begin(self, **body: Any) -> dict[str, Any]:
         """Send the following updates to the shadow copy (allocated on first use, brought up to the served
-        weights here); the model keeps serving. A shadow update already open is abandoned first."""
-        protocol.ShadowBegin.model_validate(body)
+        weights here unless ``full``: every tensor the update sends is rewritten); the model keeps serving.
+        A shadow update already open is abandoned first."""
+        req = protocol.ShadowBegin.model_validate(body)
         self.shadow.discard()
         self._shadow_version = None
         try:
-            catch_up_s = self.shadow.begin()
+            catch_up_s = self.shadow.begin(full=req.full)
         except (RuntimeError, MemoryError) as exc:  # e.g. out of memory for the second copy
             self.shadow.discard()
             return _fail(f"Failed to prepare the shadow copy: {type(exc).__name__}: {exc}")

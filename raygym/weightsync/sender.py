@@ -7,8 +7,8 @@
         self._wsync = RankWeightSync(self.rank)
         return self._wsync.init(spec)
 
-    def push_weights(self, version: int, force_full: bool = False) -> dict:
-        return self._wsync.push(version, self.backend.iter_hf_weights(), force_full)
+    def push_weights(self, version: int, force_full: bool = False, refresh_snapshot: bool = True) -> dict:
+        return self._wsync.push(version, self.backend.iter_hf_weights(), force_full, refresh_snapshot)
 
     def commit_weights(self, version: int) -> None:
         self._wsync.commit(version)
@@ -185,6 +185,7 @@ class WeightSender:
         self.transport = self._make_transport()
         self._cast = dtype_from_name(spec.cast_dtype) if spec.cast_dtype else None
         self._pending_version: int | None = None
+        self._refresh = False  # the last push updated the snapshot
         self._pipeline = BucketPipeline(self.bucket_bytes(), align=1 if spec.hf_tensors else ALIGN)
 
     def bucket_bytes(self) -> int:
@@ -201,16 +202,21 @@ class WeightSender:
                 "engines": [link.name for link in self.links]}
 
     def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-             force_full: bool = False) -> dict[str, Any]:
+             force_full: bool = False, refresh_snapshot: bool = True) -> dict[str, Any]:
         """Send ``version`` to every engine; returns ``{"mode", "metrics", "checksums"}``.
 
         Delta mode sends deltas against the snapshot, except on the first push, after a failed one,
         or when ``force_full``. Changes are staged: call :meth:`commit` after the engines verified.
+        ``refresh_snapshot=False`` (a full push when no delta is expected next, ``auto``): the snapshot is
+        not updated, which saves copying every weight, and it becomes unusable until a full push refreshes it.
         Entries are written straight into reusable bucket buffers, and bucket k+1 is encoded while
         bucket k is on the wire (:class:`~raygym.weightsync.pipeline.BucketPipeline`).
         """
         delta = self.spec.keeps_snapshot and not force_full and self.snapshot.version is not None
         self.snapshot.discard()
+        self._refresh = self.spec.keeps_snapshot and (delta or refresh_snapshot)
+        if not self._refresh:
+            self.snapshot.invalidate()
         if not getattr(self.transport, "connected", True):
             self.transport.connect()
         self.transport.begin(version)
@@ -285,7 +291,7 @@ class WeightSender:
             typed.copy_(flat)
             digest = checksum(slot)
         pipe.add(item.name, shape, dtype_name(dtype), FULL, full_bytes, digest)
-        if self.spec.keeps_snapshot:  # the snapshot copies the engine-dtype bytes from the bucket
+        if self._refresh:  # the snapshot copies the engine-dtype bytes from the bucket
             self.snapshot.overwrite(item.name, (typed.view(torch.bool) if dtype == torch.bool else typed).view(shape))
         return _Entry(digest, item.changed, numel, full_bytes)
 
@@ -293,7 +299,7 @@ class WeightSender:
         """Every engine verified ``version``: advance the snapshot (when deltas may be sent)."""
         if self._pending_version != version:
             raise WeightSyncError(f"commit({version}) but the last push was version {self._pending_version}")
-        if self.spec.keeps_snapshot:
+        if self._refresh:
             self.snapshot.commit(version)
         self._pending_version = None
 
@@ -374,11 +380,11 @@ class RankWeightSync:
         self.sender = WeightSender(spec)
         return self.sender.setup()
 
-    def push(self, version: int, weights: Iterable[tuple[str, torch.Tensor]], force_full: bool = False
-             ) -> dict[str, Any]:
+    def push(self, version: int, weights: Iterable[tuple[str, torch.Tensor]], force_full: bool = False,
+             refresh_snapshot: bool = True) -> dict[str, Any]:
         if self.sender is None:
             return drain(weights)
-        return self.sender.push(version, weights, force_full=force_full)
+        return self.sender.push(version, weights, force_full=force_full, refresh_snapshot=refresh_snapshot)
 
     def commit(self, version: int) -> None:
         if self.sender is not None:

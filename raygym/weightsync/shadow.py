@@ -8,6 +8,8 @@ buffer (no copy), between two forward passes, so every forward pass sees one com
 
 After a switch the shadow holds the previous version; the next ``begin`` brings it up to date by
 copying the served weights (the copy runs while the engine serves; a delta is applied on top of it).
+``begin(full=True)`` announces an update that rewrites every tensor it sends: only tensors that are
+never sent are left, and those are the same in both copies, so nothing is copied.
 
 >>> import torch
 >>> model = torch.nn.Linear(2, 2, bias=False)
@@ -53,22 +55,26 @@ class ShadowWeights:
         self._shadow: dict[int, torch.Tensor] = {}  # id(holder) -> shadow storage
         self.open = False
         self.fresh = False
+        self._served_written = False  # the served weights were written directly since the last full copy
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._shadow.values())
 
-    def begin(self) -> float:
-        """Start an update: allocate the shadow (first time) and bring it up to the served weights;
-        returns the seconds spent copying."""
+    def begin(self, full: bool = False) -> float:
+        """Start an update: allocate the shadow (first time) and bring it up to the served weights, unless
+        ``full`` (every sent tensor is rewritten; see the module docstring); returns the seconds spent copying."""
         start = time.perf_counter()
         if not self._matches_model():
             self._allocate()
+        elif full and not self._served_written:
+            self.fresh = True  # unsent tensors match; sent ones are about to be overwritten
         if not self.fresh:
             with torch.no_grad():
                 for holder in self._unique_holders():
                     copy_bytes(self._shadow[id(holder)], holder.data)
             self.fresh = True
+            self._served_written = False
         self.open = True
         return time.perf_counter() - start
 
@@ -101,6 +107,7 @@ class ShadowWeights:
     def served_changed(self) -> None:
         """The served weights were written directly (an update that was not double-buffered)."""
         self.fresh = False
+        self._served_written = True
 
     def _unique_holders(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}
@@ -123,3 +130,4 @@ class ShadowWeights:
         self._shadow = {id(h): torch.empty_like(h.data, memory_format=torch.contiguous_format)
                         for h in self._unique_holders()}
         self.fresh = False
+        self._served_written = True  # nothing copied yet

@@ -20,6 +20,10 @@ on a shared machine are noisy, and two modes within a few percent cost the same)
 is predicted to lose is within ``explore_budget`` of the seconds spent since it was last measured: a
 mode ten times slower is rarely retried, a close one regularly. A mode never measured is tried first.
 
+A full sync keeps the sender's delta snapshot up to date only when a delta may follow
+(:attr:`ModeChoice.refresh_snapshot`): copying every weight into it costs about a tenth of a full sync
+on one host, which would be wasted while full stays the cheaper mode.
+
 The first sync of each mode pays one-time costs (buffers allocated, pages touched, threads started),
 so the second sample of a mode replaces the first instead of averaging with it, and a mode measured
 only once is measured again when its prediction is within ``warmup_factor`` of the better one.
@@ -70,6 +74,7 @@ class ModeChoice:
     reason: str
     predicted_full_s: float | None
     predicted_delta_s: float | None
+    refresh_snapshot: bool = True  # a full sync also updates the sender's delta snapshot (a delta may follow)
 
     @property
     def predicted_s(self) -> float | None:
@@ -142,7 +147,7 @@ class SyncCostModel:
         """The mode for the next sync of weights of ``raw_bytes``."""
         full, delta = self.predict("full", raw_bytes), self.predict("delta", raw_bytes)
         if len(self.modes) == 1:
-            return ModeChoice(self.modes[0], "only", full, delta)
+            return ModeChoice(self.modes[0], "only", full, delta, refresh_snapshot=self.modes[0] == "delta")
         predicted = {"full": full, "delta": delta}
         unmeasured = [m for m in self.modes if predicted[m] is None]
         if unmeasured:
@@ -158,4 +163,11 @@ class SyncCostModel:
         if warming or loss <= self.explore_budget * self._spent_since[other]:
             return ModeChoice(other, "explore", full, delta)
         self._incumbent = best
-        return ModeChoice(best, reason, full, delta)
+        refresh = best == "delta" or self._delta_may_follow(full, delta)
+        return ModeChoice(best, reason, full, delta, refresh_snapshot=refresh)
+
+    def _delta_may_follow(self, full: float, delta: float) -> bool:
+        """After a full sync now, could the next sync be a delta (so the snapshot must be kept)?"""
+        if self._seen["delta"] <= 1 or delta < full:
+            return True  # still warming up, or cheaper already (kept out only by the switch margin)
+        return abs(full - delta) <= self.explore_budget * (self._spent_since["delta"] + full)

@@ -114,3 +114,27 @@ def test_a_discarded_or_failed_shadow_update_leaves_the_served_weights(model):
     # without a shadow update, loads write the served weights directly (and move the label)
     assert receiver.load(next_version(model, 0.5).items(), copy_by_name, "6")["success"]
     assert receiver.weight_version == "6" and receiver.weights_checksum()["checksums"] != served
+
+
+def test_a_full_update_skips_the_copy_only_when_that_is_exact(model):
+    """begin(full=True): every sent tensor is rewritten, unsent ones are equal in both copies. After the
+    served weights were written directly, that no longer holds and the copy is made anyway."""
+    receiver = WeightReceiver(model, weight_version="0")
+    v1 = next_version(model, 2.0)
+    receiver.shadow_begin(full=True)
+    assert receiver.load(v1.items(), copy_by_name, "1")["success"]
+    receiver.shadow_switch()
+    norm = {"model.norm.weight": torch.full_like(v1["model.norm.weight"], 3.0)}
+    assert receiver.load(norm.items(), copy_by_name, "2")["success"]  # written directly, not double-buffered
+    rest = {n: t * 0.5 for n, t in next_version(model, 1.0).items() if n != "model.norm.weight"}
+    receiver.shadow_begin(full=True)
+    assert receiver.load(rest.items(), copy_by_name, "3")["success"]
+    receiver.shadow_switch()
+    want = {**{n: checksum(t) for n, t in rest.items()}, "model.norm.weight": checksum(norm["model.norm.weight"])}
+    assert receiver.weights_checksum()["checksums"] == want
+    # and when nothing was written directly, a full update of every tensor is exact without the copy
+    v4 = next_version(model, 0.25)
+    assert receiver.shadow_begin(full=True)["success"]
+    assert receiver.load(v4.items(), copy_by_name, "4")["success"]
+    receiver.shadow_switch()
+    assert receiver.weights_checksum()["checksums"] == {n: checksum(t) for n, t in v4.items()}

@@ -167,7 +167,8 @@ def test_a_warm_up_sample_is_replaced_not_averaged():
 def test_a_single_possible_mode_is_always_chosen():
     model = SyncCostModel(modes=("full",))
     model.observe(SLOW.sample("full"))
-    assert model.choose(RAW) == ModeChoice("full", "only", pytest.approx(SLOW.seconds("full")), None)
+    assert model.choose(RAW) == ModeChoice("full", "only", pytest.approx(SLOW.seconds("full")), None,
+                                           refresh_snapshot=False)
 
 
 def test_invalid_inputs_are_refused():
@@ -177,3 +178,19 @@ def test_invalid_inputs_are_refused():
         SyncCostModel(smoothing=0.0)
     with pytest.raises(ValueError, match="mode"):
         SyncSample("auto", RAW, RAW, 1.0, 1.0)
+
+
+def test_full_syncs_keep_the_snapshot_only_when_a_delta_may_follow():
+    link = Link(wire=1.0e-9, cpu=2.0e-9)  # full 0.26 s, delta 0.41 s: full wins clearly
+    model = seeded(link)
+    refreshes = []
+    for _ in range(40):
+        choice = model.choose(RAW)
+        refreshes.append((choice.mode, choice.refresh_snapshot, choice.reason))
+        model.observe(link.sample(choice.mode))
+    for i, (mode, refresh, reason) in enumerate(refreshes):
+        if mode == "delta":  # every delta is announced by a full sync that kept the snapshot
+            assert refreshes[i - 1][:2] == ("full", True), refreshes[i - 1]
+    assert sum(1 for m, r, _ in refreshes if m == "full" and not r) >= 30  # most full syncs skip the copy
+    slow = seeded(SLOW)
+    assert slow.choose(RAW).mode == "delta" and slow.choose(RAW).refresh_snapshot
