@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -202,7 +203,8 @@ def make_sender(links, mode: str, master: str, bucket: int):
 
 
 def transport_figures(versions, links, args, memcpy_s: float) -> None:
-    """Full sync (the sender's push, commit included) against raw gloo broadcasts of the same bytes."""
+    """Full sync (the sender's push, commit included) against raw gloo broadcasts of the same bytes; also
+    double-buffered (shadow begin, push into the shadow, switch)."""
     from raygym.weightsync.codec import checksum
 
     total = sum(t.numel() * t.element_size() for t in versions[0].values())
@@ -211,11 +213,17 @@ def transport_figures(versions, links, args, memcpy_s: float) -> None:
     sender = make_sender(links, "full", "127.0.0.1", bucket)
     try:
         piece = sender.bucket_bytes()
-        raws_one, raws_pieces, fulls = [], [], []
+        raws_one, raws_pieces, fulls, shadowed = [], [], [], []
         # warm-up (not timed): buffers allocated and pages touched once, as in a run with many syncs
         raw_broadcast(sender, links, total, total)
         sender.push(1, versions[0].items())
         sender.commit(1)
+        for link in links:  # the shadow copy is allocated on its first use
+            link.call("raygym/shadow_begin", {"full": True}, 300)
+        sender.push(99, versions[0].items())
+        for link in links:
+            link.call("raygym/shadow_switch", {}, 300)
+        sender.commit(99)
         for rep in range(2, args.reps + 2):  # interleaved, so load changes hit all three alike
             raws_one.append(raw_broadcast(sender, links, total, total))
             raws_pieces.append(raw_broadcast(sender, links, total, piece))
@@ -226,6 +234,17 @@ def transport_figures(versions, links, args, memcpy_s: float) -> None:
             for link in links:  # outside the timing: the receivers hold exactly these bytes
                 got = link.call("weights_checksum", {"names": None}, 300)["checksums"]
                 assert got == want, f"{link.name} differs after a full sync"
+            t0 = time.perf_counter()
+            for link in links:
+                assert link.call("raygym/shadow_begin", {"full": True}, 300)["success"]
+            result = sender.push(100 + rep, versions[0].items())
+            for link in links:
+                assert link.call("raygym/shadow_switch", {"weight_version": str(100 + rep)}, 300)["success"]
+            sender.commit(100 + rep)
+            shadowed.append((time.perf_counter() - t0, result["metrics"]))
+            for link in links:
+                got = link.call("weights_checksum", {"names": None}, 300)["checksums"]
+                assert got == want, f"{link.name} differs after a double-buffered full sync"
     finally:
         sender.close()
     raw_one, raw_pieces = min(raws_one), min(raws_pieces)
@@ -238,6 +257,11 @@ def transport_figures(versions, links, args, memcpy_s: float) -> None:
     emit("gloo_full_sync", full_s, baseline=raw_one, ratio=raw_one / full_s,
          ratio_is="raw one-buffer broadcast / full sync", goal=">= 0.8", ratio_vs_raw_pieces=raw_pieces / full_s,
          reps=[r[0] for r in fulls], **_breakdown(full_m))
+    shadow_s, shadow_m = min(shadowed, key=lambda r: r[0])
+    emit("gloo_full_sync_double_buffered", shadow_s, baseline=raw_one, ratio=raw_one / shadow_s,
+         ratio_is="raw one-buffer broadcast / double-buffered full sync (shadow begin + push + switch)",
+         goal=">= 0.8", ratio_vs_raw_pieces=raw_pieces / shadow_s, reps=[r[0] for r in shadowed],
+         **_breakdown(shadow_m))
 
 
 def make_sync(mode: str, versions, links, args, schedule: list[int], master: str):
@@ -287,8 +311,10 @@ def link_modes(label: str, versions, receiver_sets, args, master: str) -> dict[s
     auto = metrics["auto"]
     errors = [abs(m["sync/predicted_s"] - m["sync/measured_s"]) / m["sync/measured_s"]
               for m in auto if "sync/predicted_s" in m]
+    medians = {m: statistics.median(per_sync[m]) for m in MODES}
     emit(f"{label}_auto_sync_mean", totals["auto"] / n, baseline=best / n, ratio=totals["auto"] / best,
          ratio_is="auto / better fixed mode", goal="<= 1.10", better_fixed="full" if best == totals["full"] else "delta",
+         median_ratio=medians["auto"] / min(medians["full"], medians["delta"]),
          modes_chosen="".join("D" if m["sync/mode"] == 1.0 else "F" for m in auto), per_sync=per_sync["auto"],
          prediction_error_mean=sum(errors) / len(errors) if errors else None)
     return totals
@@ -315,7 +341,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--bucket-mb", type=float, default=32)
     ap.add_argument("--reps", type=int, default=3, help="repetitions of the full sync and raw baselines (best kept)")
-    ap.add_argument("--syncs", type=int, default=12, help="measured syncs per mode and link (after a seeding one)")
+    ap.add_argument("--syncs", type=int, default=20, help="measured syncs per mode and link (after a seeding one)")
     ap.add_argument("--link-gbit", type=float, nargs="*", default=[10.0, 1.0])
     ap.add_argument("--receivers", type=int, default=2)
     ap.add_argument("--cache-dir", default="", help="keep the trained versions here (skips training next time)")

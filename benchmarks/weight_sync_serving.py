@@ -6,9 +6,10 @@ syncs reach it over gloo through ``WeightSync.push``: without double buffering t
 the whole sync; with it the next version lands in a shadow copy while generation goes on and only the
 switch holds the model. Without double buffering the clients also stop submitting for the sync (as
 raygym's driver does: an engine that is paused for a sync has nothing to serve, and requests arriving
-meanwhile would keep its ``/flush_cache`` from succeeding); with it they never stop. The pause a client
-sees is the longest gap between two completed requests that overlaps a sync; the baseline is the
-median gap between completions away from syncs.
+meanwhile would keep its ``/flush_cache`` from succeeding); with it they never stop. The pause mode is
+``in_place``: requests in flight at a switch go on with the new weights instead of being aborted.
+Per client, the gap between two of its completed requests is one request's latency; the pause a sync
+causes is the longest such gap overlapping the sync minus the median gap away from syncs.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Clients:
         import httpx
 
         self.url, self.vocab = url, vocab
-        self.done: list[tuple[float, bool]] = []
+        self.done: list[tuple[int, float, bool]] = []  # (client, finish time, finished normally)
         self._lock = threading.Condition()
         self._stop = threading.Event()
         self._go = threading.Event()
@@ -82,7 +83,7 @@ class Clients:
             except Exception:
                 ok = False
             with self._lock:
-                self.done.append((time.perf_counter(), ok))
+                self.done.append((seed, time.perf_counter(), ok))
                 self._lock.notify_all()
 
     def hold(self) -> None:
@@ -98,9 +99,9 @@ class Clients:
     def wait_completions(self, count: int, timeout: float = 300.0) -> None:
         """Block until ``count`` more requests completed normally."""
         with self._lock:
-            target = sum(ok for _, ok in self.done) + count
+            target = sum(ok for _, _, ok in self.done) + count
             deadline = time.monotonic() + timeout
-            while sum(ok for _, ok in self.done) < target:
+            while sum(ok for _, _, ok in self.done) < target:
                 left = deadline - time.monotonic()
                 assert left > 0, "the server stopped completing requests"
                 self._lock.wait(left)
@@ -115,15 +116,18 @@ class Clients:
         self._client.close()
 
 
-def pauses(done: list[tuple[float, bool]], windows: list[tuple[float, float]]) -> tuple[list[float], float]:
-    """Per sync window: the longest gap between consecutive normal completions that overlaps it; and the
-    median gap between completions that overlap no window.
+def pauses(done: list[tuple[int, float, bool]], windows: list[tuple[float, float]]) -> tuple[list[float], float]:
+    """Per sync window: the longest gap between two consecutive normal completions of one client that
+    overlaps it; and the median such gap overlapping no window.
 
-    >>> pauses([(0, True), (1, True), (2, True), (5, True), (6, True)], [(2.5, 3.0)])
-    ([3], 1.0)
+    >>> pauses([(0, 0.0, True), (0, 1.0, True), (0, 2.0, True), (0, 5.0, True), (0, 6.0, True), (1, 3.0, True)],
+    ...        [(2.5, 3.0)])
+    ([3.0], 1.0)
     """
-    times = sorted(t for t, ok in done if ok)
-    gaps = list(zip(times, times[1:], strict=False))
+    gaps = []
+    for client in {c for c, _, _ in done}:
+        times = sorted(t for c, t, ok in done if ok and c == client)
+        gaps += list(zip(times, times[1:], strict=False))
     per_window = [max((b - a for a, b in gaps if a < end and b > start), default=0.0) for start, end in windows]
     quiet = [b - a for a, b in gaps if not any(a < end and b > start for start, end in windows)]
     return per_window, statistics.median(quiet) if quiet else 0.0
@@ -166,7 +170,8 @@ def serving_pause(versions, config, args, emit) -> None:
         for double_buffer in (False, True, True, False):  # ABBA against drift
             recipe = Recipe(update_weight_mode="full", update_weight_transport="nccl",
                             update_weight_buffer_size=int(args.bucket_mb * 1024 * 1024), update_weight_timeout=300.0,
-                            colocate=False, update_weight_double_buffer=double_buffer)
+                            colocate=False, update_weight_double_buffer=double_buffer,
+                            update_weight_pause_mode="in_place")
             trainer = BenchTrainer(versions)
             trainer.schedule = {1: 0, **{i + 2: v for i, v in enumerate(schedule)}}
             sync = WeightSync(recipe, [trainer], [url], spec_overrides={"master_address": "127.0.0.1",
@@ -200,15 +205,17 @@ def serving_pause(versions, config, args, emit) -> None:
         summary = {}
         for double_buffer, r in results.items():
             gaps, _ = pauses(clients.done, r["windows"])
-            summary[double_buffer] = statistics.mean(gaps)
+            summary[double_buffer] = statistics.mean(max(0.0, g - quiet) for g in gaps)
             sync_s = statistics.mean(b - a for a, b in r["windows"])
             emit("serving_pause_per_sync" + ("_double_buffered" if double_buffer else ""), summary[double_buffer],
-                 baseline=quiet, ratio=summary[double_buffer] / quiet if quiet else None,
-                 ratio_is="longest completion gap overlapping a sync / median gap away from syncs",
-                 sync_s=sync_s, engine_reported_pause_s=statistics.mean(r["reported"]), gaps=gaps,
-                 syncs=len(r["windows"]), clients=CLIENTS, new_tokens=NEW_TOKENS)
+                 baseline=sync_s, ratio=summary[double_buffer] / sync_s,
+                 ratio_is="rollout pause per sync (longest per-client completion gap overlapping the sync minus "
+                          "the median gap away from syncs) / sync duration",
+                 median_request_gap_s=quiet, engine_reported_pause_s=statistics.mean(r["reported"]),
+                 gaps=gaps, syncs=len(r["windows"]), clients=CLIENTS, new_tokens=NEW_TOKENS, pause_mode="in_place")
         emit("serving_pause_double_buffered_vs_paused", summary[True], baseline=summary[False],
-             ratio=summary[True] / summary[False], ratio_is="pause per sync with / without double buffering")
+             ratio=summary[True] / summary[False] if summary[False] else None,
+             ratio_is="rollout pause per sync with / without double buffering")
     finally:
         if clients is not None:
             clients.stop()

@@ -31,8 +31,10 @@ import torch
 from raygym.weightsync.codec import copy_bytes
 
 
-class _NamedTensors(torch.nn.Module):
-    """What a loader sees during a double-buffered update: the shadow tensors under the model's HF names."""
+class ShadowTarget(torch.nn.Module):
+    """What a loader sees during a double-buffered update: the shadow tensors under the model's HF names.
+    Nothing reads them until they are verified and switched in, so loaders may write them directly
+    (:func:`raygym.weightsync.loader.load_payload` skips its own staging and checksums for them)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
         super().__init__()
@@ -81,7 +83,7 @@ class ShadowWeights:
     def target(self) -> torch.nn.Module:
         """The shadow as a module whose ``state_dict()`` maps every HF name to its shadow tensor."""
         assert self.open, "begin() first"
-        return _NamedTensors({name: self._shadow[id(holder)] for name, holder in self._holders.items()})
+        return ShadowTarget({name: self._shadow[id(holder)] for name, holder in self._holders.items()})
 
     def written(self) -> None:
         """A loader wrote into the shadow: it now differs from the served weights."""

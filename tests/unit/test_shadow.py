@@ -138,3 +138,22 @@ def test_a_full_update_skips_the_copy_only_when_that_is_exact(model):
     assert receiver.load(v4.items(), copy_by_name, "4")["success"]
     receiver.shadow_switch()
     assert receiver.weights_checksum()["checksums"] == {n: checksum(t) for n, t in v4.items()}
+
+
+def test_a_shadow_is_written_directly_and_verified_by_its_checksums(model):
+    """Into a shadow, load_payload writes without staging or hashing; a corrupted payload is caught by the
+    shadow's checksums (what the coordinator compares before any switch) and never reaches the served model."""
+    receiver = WeightReceiver(model, weight_version="1")
+    served = receiver.weights_checksum()["checksums"]
+    name = "model.norm.weight"
+    new = model.state_dict()[name] * 2.0
+    manifest, flat = pack_bucket([encode_tensor(name, new)], version=2)
+    flat[0] ^= 0x01  # one flipped bit on the wire
+    receiver.shadow_begin()
+    assert receiver.load([(MANIFEST_NAME, manifest), (BUCKET_NAME, flat)], load_payload, "2")["success"]
+    assert receiver.weights_checksum(shadow=True)["checksums"][name] != checksum(new)  # the coordinator's check
+    receiver.shadow_discard()
+    assert receiver.weights_checksum()["checksums"] == served
+    # the served model keeps the all-or-nothing check: the same bucket is refused there
+    assert not receiver.load([(MANIFEST_NAME, manifest), (BUCKET_NAME, flat)], load_payload, "2")["success"]
+    assert receiver.weights_checksum()["checksums"] == served
