@@ -255,12 +255,16 @@ def transport_figures(versions, links, args, memcpy_s: float) -> None:
     emit("gloo_raw_broadcast_bucket_pieces", raw_pieces, baseline=raw_one, ratio=raw_one / raw_pieces,
          ratio_is="one buffer / pieces", piece_bytes=piece, reps=raws_pieces)
     emit("gloo_full_sync", full_s, baseline=raw_one, ratio=raw_one / full_s,
-         ratio_is="raw one-buffer broadcast / full sync", goal=">= 0.8", ratio_vs_raw_pieces=raw_pieces / full_s,
+         ratio_is="raw one-buffer broadcast / full sync (best of reps)", goal=">= 0.8",
+         ratio_vs_raw_pieces=raw_pieces / full_s,
+         median_ratio=statistics.median(raws_one) / statistics.median(r[0] for r in fulls),
          reps=[r[0] for r in fulls], **_breakdown(full_m))
     shadow_s, shadow_m = min(shadowed, key=lambda r: r[0])
     emit("gloo_full_sync_double_buffered", shadow_s, baseline=raw_one, ratio=raw_one / shadow_s,
          ratio_is="raw one-buffer broadcast / double-buffered full sync (shadow begin + push + switch)",
-         goal=">= 0.8", ratio_vs_raw_pieces=raw_pieces / shadow_s, reps=[r[0] for r in shadowed],
+         goal=">= 0.8", ratio_vs_raw_pieces=raw_pieces / shadow_s,
+         median_ratio=statistics.median(raws_one) / statistics.median(r[0] for r in shadowed),
+         reps=[r[0] for r in shadowed],
          **_breakdown(shadow_m))
 
 
@@ -340,7 +344,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--bucket-mb", type=float, default=32)
-    ap.add_argument("--reps", type=int, default=3, help="repetitions of the full sync and raw baselines (best kept)")
+    ap.add_argument("--reps", type=int, default=8, help="repetitions of the full sync and raw baselines (interleaved)")
     ap.add_argument("--syncs", type=int, default=20, help="measured syncs per mode and link (after a seeding one)")
     ap.add_argument("--link-gbit", type=float, nargs="*", default=[10.0, 1.0])
     ap.add_argument("--receivers", type=int, default=2)
