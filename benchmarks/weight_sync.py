@@ -177,12 +177,16 @@ def memcpy_seconds(nbytes: int) -> float:
     return best
 
 
+_RAW: dict[int, torch.Tensor] = {}
+
+
 def raw_broadcast(sender, links, nbytes: int, piece: int) -> float:
     """Seconds to broadcast ``nbytes`` (in ``piece``-byte broadcasts) over the sender's group: no
-    packing, no checksums, no loading — the baseline the transport is held against."""
+    packing, no checksums, no loading — the baseline the transport is held against. The buffers exist
+    already on both sides (as the transport's do)."""
     from raygym.weightsync.transport_dist import broadcast
 
-    flat = torch.ones(nbytes, dtype=torch.uint8)
+    flat = _RAW.setdefault(nbytes, torch.ones(nbytes, dtype=torch.uint8))
     t0 = time.perf_counter()
     futures = [sender.transport._pool.submit(link.call, "raw_broadcast", {
         "group_name": sender.transport.group_name, "nbytes": nbytes, "piece": piece}, 300) for link in links]
@@ -202,51 +206,77 @@ def make_sender(links, mode: str, master: str, bucket: int):
     return s
 
 
-def transport_figures(versions, links, args, memcpy_s: float) -> None:
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user + system, every thread) used so far by this process and ``pids``."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def measured(fn, pids: list[int]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process and ``pids``) of ``fn()``."""
+    c0, t0 = cpu_seconds(pids), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, cpu_seconds(pids) - c0
+
+
+def transport_figures(versions, rx, rx_shadow, args, memcpy_s: float) -> None:
     """Full sync (the sender's push, commit included) against raw gloo broadcasts of the same bytes; also
-    double-buffered (shadow begin, push into the shadow, switch)."""
+    double-buffered (shadow begin, push into the shadow, switch) to receivers of their own (every update
+    they get is double-buffered, as in a run). Wall seconds (noisy on a shared machine) and CPU seconds of
+    the sender and the receivers (what one host's cores must do per sync)."""
     from raygym.weightsync.codec import checksum
+
+    links, pids = rx.links, [p.pid for p in rx.procs]
+    shadow_links, shadow_pids = rx_shadow.links, [p.pid for p in rx_shadow.procs]
 
     total = sum(t.numel() * t.element_size() for t in versions[0].values())
     want = {n: checksum(t) for n, t in versions[0].items()}
     bucket = int(args.bucket_mb * 1024 * 1024)
     sender = make_sender(links, "full", "127.0.0.1", bucket)
+    shadow_sender = make_sender(shadow_links, "full", "127.0.0.1", bucket)
     try:
         piece = sender.bucket_bytes()
         raws_one, raws_pieces, fulls, shadowed = [], [], [], []
+        cpu: dict[str, list[float]] = {"raw_one": [], "raw_pieces": [], "full": [], "shadowed": []}
+        metrics: dict[int, dict] = {}
+
+        def push(version: int, shadow: bool) -> None:
+            out, to = (shadow_sender, shadow_links) if shadow else (sender, links)
+            if shadow:
+                for link in to:
+                    assert link.call("raygym/shadow_begin", {"full": True}, 300)["success"]
+            metrics[version] = out.push(version, versions[0].items())["metrics"]
+            if shadow:
+                for link in to:
+                    assert link.call("raygym/shadow_switch", {"weight_version": str(version)}, 300)["success"]
+            out.commit(version)
+
         # warm-up (not timed): buffers allocated and pages touched once, as in a run with many syncs
         raw_broadcast(sender, links, total, total)
-        sender.push(1, versions[0].items())
-        sender.commit(1)
-        for link in links:  # the shadow copy is allocated on its first use
-            link.call("raygym/shadow_begin", {"full": True}, 300)
-        sender.push(99, versions[0].items())
-        for link in links:
-            link.call("raygym/shadow_switch", {}, 300)
-        sender.commit(99)
-        for rep in range(2, args.reps + 2):  # interleaved, so load changes hit all three alike
-            raws_one.append(raw_broadcast(sender, links, total, total))
-            raws_pieces.append(raw_broadcast(sender, links, total, piece))
-            t0 = time.perf_counter()
-            result = sender.push(rep, versions[0].items())
-            sender.commit(rep)
-            fulls.append((time.perf_counter() - t0, result["metrics"]))
-            for link in links:  # outside the timing: the receivers hold exactly these bytes
-                got = link.call("weights_checksum", {"names": None}, 300)["checksums"]
-                assert got == want, f"{link.name} differs after a full sync"
-            t0 = time.perf_counter()
-            for link in links:
-                assert link.call("raygym/shadow_begin", {"full": True}, 300)["success"]
-            result = sender.push(100 + rep, versions[0].items())
-            for link in links:
-                assert link.call("raygym/shadow_switch", {"weight_version": str(100 + rep)}, 300)["success"]
-            sender.commit(100 + rep)
-            shadowed.append((time.perf_counter() - t0, result["metrics"]))
-            for link in links:
-                got = link.call("weights_checksum", {"names": None}, 300)["checksums"]
-                assert got == want, f"{link.name} differs after a double-buffered full sync"
+        push(1, False)
+        push(99, True)  # the shadow copy is allocated on its first use
+        for rep in range(2, args.reps + 2):  # interleaved, so load changes hit all four alike
+            for key, out, fn in (("raw_one", raws_one, lambda: raw_broadcast(sender, links, total, total)),
+                                 ("raw_pieces", raws_pieces, lambda: raw_broadcast(sender, links, total, piece)),
+                                 ("full", fulls, lambda rep=rep: push(rep, False)),
+                                 ("shadowed", shadowed, lambda rep=rep: push(100 + rep, True))):
+                wall, used = measured(fn, shadow_pids if key == "shadowed" else pids)
+                cpu[key].append(used)
+                out.append((wall, metrics.get(100 + rep if key == "shadowed" else rep, {})))
+                if key in ("full", "shadowed"):  # outside the timing: the receivers hold exactly these bytes
+                    for link in shadow_links if key == "shadowed" else links:
+                        got = link.call("weights_checksum", {"names": None}, 300)["checksums"]
+                        assert got == want, f"{link.name} differs after a {key} sync"
+        raws_one = [w for w, _ in raws_one]
+        raws_pieces = [w for w, _ in raws_pieces]
     finally:
         sender.close()
+        shadow_sender.close()
     raw_one, raw_pieces = min(raws_one), min(raws_pieces)
     full_s, full_m = min(fulls, key=lambda r: r[0])
     emit("memcpy_same_bytes", memcpy_s, bytes=total, gbps=total / 1e9 / memcpy_s)
@@ -266,6 +296,12 @@ def transport_figures(versions, links, args, memcpy_s: float) -> None:
          median_ratio=statistics.median(raws_one) / statistics.median(r[0] for r in shadowed),
          reps=[r[0] for r in shadowed],
          **_breakdown(shadow_m))
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    for key in ("full", "shadowed"):
+        emit(f"cpu_seconds_{'full_sync' if key == 'full' else 'full_sync_double_buffered'}", med[key],
+             baseline=med["raw_pieces"], ratio=med["raw_pieces"] / med[key],
+             ratio_is="CPU seconds of a raw bucket-piece broadcast / of this sync (sender + receivers, median of reps)",
+             raw_one_buffer_cpu_s=med["raw_one"], reps=cpu[key])
 
 
 def make_sync(mode: str, versions, links, args, schedule: list[int], master: str):
@@ -380,7 +416,7 @@ def main() -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
         sets = [Receivers(args.receivers, shapes, ifname="lo", tag=f"lo{m}") for m in MODES]
         try:
-            transport_figures(versions, sets[0].links, args, memcpy_s)
+            transport_figures(versions, sets[0], sets[1], args, memcpy_s)
             link_modes("loopback", versions, sets, args, "127.0.0.1")
         finally:
             for rx in sets:

@@ -149,7 +149,7 @@ def serving_pause(versions, config, args, emit) -> None:
     server = subprocess.Popen([sys.executable, "-m", "raygym.rollout.server", "--model-path", model_dir, "--host",
                                "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "bfloat16",
                                "--custom-weight-loader", LOADER, "--max-running-requests", "8",
-                               "--weight-update-timeout", "300"], env=env)
+                               "--weight-update-timeout", "300"], env=env, stdout=sys.stderr)
     url = f"http://127.0.0.1:{port}"
     clients = None
     try:
