@@ -186,7 +186,9 @@ def raw_broadcast(sender, links, nbytes: int, piece: int) -> float:
     already on both sides (as the transport's do)."""
     from raygym.weightsync.transport_dist import broadcast
 
-    flat = _RAW.setdefault(nbytes, torch.ones(nbytes, dtype=torch.uint8))
+    if nbytes not in _RAW:
+        _RAW[nbytes] = torch.ones(nbytes, dtype=torch.uint8)
+    flat = _RAW[nbytes]
     t0 = time.perf_counter()
     futures = [sender.transport._pool.submit(link.call, "raw_broadcast", {
         "group_name": sender.transport.group_name, "nbytes": nbytes, "piece": piece}, 300) for link in links]
