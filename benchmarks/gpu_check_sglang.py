@@ -67,8 +67,9 @@ class Trainer:
     def init_weight_sync(self, spec):
         return self.wsync.init(spec)
 
-    def push_weights(self, version, force_full=False):
-        return self.wsync.push(version, ((n, t.detach()) for n, t in self.model.state_dict().items()), force_full)
+    def push_weights(self, version, force_full=False, refresh_snapshot=True):
+        return self.wsync.push(version, ((n, t.detach()) for n, t in self.model.state_dict().items()), force_full,
+                               refresh_snapshot)
 
     def commit_weights(self, version):
         self.wsync.commit(version)

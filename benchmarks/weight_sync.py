@@ -6,102 +6,41 @@ with fp32 master weights stepped by ``torch.optim.AdamW`` at the recipe's defaul
 moments are realistic; then the engines get the bf16 cast of the weights after each further step.
 
 Receivers are separate processes running raygym's engine-side code (``WeightReceiver`` +
-``load_payload``: group join, broadcast receive, decode, apply in place, checksum verification)
-without an HTTP server, so the figures measure the transport. After every sync the receivers'
-checksums are compared with the trainer's (not timed). One JSON object per line: figure, value,
-baseline measured in the same run, ratio (its definition in ``ratio_is``), goal, machine.
+``load_payload``: group join, pipelined broadcast receive, decode, apply, checksums) without an HTTP
+server (``weight_sync_receivers.py``). Sections, one JSON object per line (figure, value, baseline
+measured in the same run, ratio with its definition in ``ratio_is``, goal, machine with its load):
 
-    python benchmarks/weight_sync.py [--hidden 768 --layers 12 --vocab 32000] [--warm-steps 3]
-                                     [--steps 2] [--bucket-mb 32] [--reps 2] [--disk-dir DIR]
+1. payloads: changed fraction per step, delta/full payload per encoding;
+2. loopback: full sync (the sender's push) against a raw gloo broadcast of the same bytes;
+3. per link (loopback; then, as root, receivers in a network namespace behind a veth pair shaped with
+   tc to ``--link-gbit`` rates, ``shaped_link.py``): ``--syncs`` syncs through ``WeightSync.push``
+   (pause, push, checksum verification, commit, continue) with ``update_weight_mode`` full, delta and
+   auto, each mode with its own receivers, interleaved sync by sync against load drift; delta/full and
+   auto/(better fixed mode) time ratios;
+4. serving: a real raygym server generating continuously while it receives syncs, with and without
+   double buffering; the rollout pause per sync (``weight_sync_serving.py``).
+
+    python benchmarks/weight_sync.py [--syncs 12] [--link-gbit 10 1] [--cache-dir DIR] [--skip serving]
+                                     [--hidden 768 --layers 12 --vocab 32000] [--warm-steps 3] [--steps 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
-import shutil
+import statistics
 import sys
-import tempfile
-import threading
 import time
-from collections import deque
-from concurrent.futures import Future
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 MACHINE = {"cores": os.cpu_count(), "device": "cpu", "torch": torch.__version__, "platform": platform.platform()}
-
-
-# --------------------------------------------------------------------------- receivers
-
-
-class NamedTensors(torch.nn.Module):
-    """A model that is just HF-named tensors (what the loader writes into)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        super().__init__()
-        self.tensors = tensors
-
-    def state_dict(self, *args, **kwargs):  # the loader addresses tensors by HF name
-        return dict(self.tensors)
-
-
-def receiver_main(conn, shapes: dict[str, tuple[tuple[int, ...], str]]) -> None:
-    """A receiver process: answers engine endpoints sent over ``conn``, in order, until told to stop."""
-    from raygym.weightsync.codec import dtype_from_name
-    from raygym.weightsync.receiver import WeightReceiver
-    from raygym.weightsync.transport_dist import broadcast
-
-    torch.set_num_threads(1)
-    model = NamedTensors({n: torch.zeros(s, dtype=dtype_from_name(d)) for n, (s, d) in shapes.items()})
-    receiver = WeightReceiver(model, timeout_s=300)
-    raw = torch.empty(0, dtype=torch.uint8)
-    while True:
-        endpoint, payload = conn.recv()
-        if endpoint == "stop":
-            return
-        try:
-            if endpoint == "raw_broadcast":  # the baseline: the same bytes, no decoding, no checksums
-                if raw.numel() != payload["nbytes"]:
-                    raw = torch.empty(payload["nbytes"], dtype=torch.uint8)
-                for start in range(0, payload["nbytes"], payload["piece"]):
-                    broadcast(receiver.groups[payload["group_name"]], raw[start : start + payload["piece"]], 300)
-                answer = {"success": True}
-            else:
-                answer = getattr(receiver, endpoint)(**payload)
-        except Exception as exc:  # reported to the sender, which names this receiver
-            answer = {"success": False, "message": f"{type(exc).__name__}: {exc}"}
-        conn.send(answer)
-
-
-class PipeEngineLink:
-    """EngineLink to a receiver process over a pipe; several calls may be outstanding (answered in order)."""
-
-    def __init__(self, conn, name: str):
-        self.conn, self.name = conn, name
-        self._lock = threading.Lock()
-        self._waiting: deque[Future] = deque()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def call(self, endpoint, payload, timeout):
-        fut: Future = Future()
-        with self._lock:
-            self._waiting.append(fut)
-            self.conn.send((endpoint, payload))
-        return fut.result(timeout=timeout)
-
-    def _read(self) -> None:
-        while True:
-            try:
-                answer = self.conn.recv()
-            except (EOFError, OSError):
-                return
-            self._waiting.popleft().set_result(answer)
+MODES = ("full", "delta", "auto")
 
 
 # --------------------------------------------------------------------------- trainer
@@ -131,6 +70,75 @@ def engine_weights(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
 
 
+def trained_versions(args) -> tuple[list[dict[str, torch.Tensor]], float, object]:
+    """The engine weights after the warm-up steps and after each measured step (cached in ``--cache-dir``)."""
+    from safetensors.torch import load_file, save_file
+
+    key = f"v{args.hidden}-{args.intermediate}-{args.layers}-{args.vocab}-{args.lr}-{args.warm_steps}-{args.steps}"
+    cache = os.path.join(args.cache_dir, key) if args.cache_dir else ""
+    model = build_model(args)
+    if cache and os.path.exists(os.path.join(cache, "DONE")):
+        return [load_file(os.path.join(cache, f"{i}.safetensors")) for i in range(args.steps + 1)], 0.0, model.config
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    t0 = time.perf_counter()
+    for _ in range(args.warm_steps):
+        train_step(model, opt, gen, args)
+    versions = [engine_weights(model)]
+    for _ in range(args.steps):
+        train_step(model, opt, gen, args)
+        versions.append(engine_weights(model))
+    train_s = time.perf_counter() - t0
+    if cache:
+        os.makedirs(cache, exist_ok=True)
+        for i, v in enumerate(versions):
+            save_file(v, os.path.join(cache, f"{i}.safetensors"))
+        open(os.path.join(cache, "DONE"), "w").close()
+    return versions, train_s, model.config
+
+
+class BenchTrainer:
+    """Trainer rank 0 in this process, with TrainerActor's weight-sync methods; ``schedule`` maps each
+    wire version to the trained weights it carries."""
+
+    def __init__(self, versions: list[dict[str, torch.Tensor]]):
+        from raygym.weightsync.sender import RankWeightSync
+
+        self.versions = versions
+        self.schedule: dict[int, int] = {}
+        self.wsync = RankWeightSync(0)
+
+    def init_weight_sync(self, spec):
+        return self.wsync.init(spec)
+
+    def push_weights(self, version: int, force_full: bool = False, refresh_snapshot: bool = True):
+        return self.wsync.push(version, self.versions[self.schedule[version]].items(), force_full, refresh_snapshot)
+
+    def commit_weights(self, version: int) -> None:
+        self.wsync.commit(version)
+
+    def discard_weights(self) -> None:
+        self.wsync.discard()
+
+    def reconnect_weight_sync(self):
+        return self.wsync.reconnect()
+
+    def close_weight_sync(self) -> None:
+        self.wsync.close()
+
+
+def ping_pong(steps: int, count: int) -> list[int]:
+    """``count`` version indexes 1, 2, .., steps, steps-1, .., 1, 2, ..: every sync moves one trained step.
+
+    >>> ping_pong(2, 5), ping_pong(3, 6)
+    ([1, 2, 1, 2, 1], [1, 2, 3, 2, 1, 2])
+    """
+    if steps == 1:
+        return [1, 0] * (count // 2) + [1] * (count % 2)
+    cycle = list(range(1, steps + 1)) + list(range(steps - 1, 1, -1))
+    return [cycle[i % len(cycle)] for i in range(count)]
+
+
 # --------------------------------------------------------------------------- output
 
 
@@ -148,10 +156,220 @@ def emit(figure: str, value: float, unit: str = "s", baseline: float | None = No
     print(json.dumps(row), flush=True)
 
 
-def main() -> None:
-    from raygym.weightsync.codec import ENCODINGS, checksum, encode_delta
-    from raygym.weightsync.sender import SenderSpec, WeightSender
+def _breakdown(m: dict[str, float]) -> dict[str, float]:
+    keys = ("sync/bytes", "sync/changed_frac", "sync/encode_s", "sync/transfer_s", "sync/wait_s", "sync/apply_s",
+            "sync/buckets")
+    return {k.removeprefix("sync/"): m[k] for k in keys if k in m}
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def memcpy_seconds(nbytes: int) -> float:
+    """Best of 3 copies of ``nbytes`` between buffers that already exist (torch's threaded copy)."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+_RAW: dict[int, torch.Tensor] = {}
+
+
+def raw_broadcast(sender, links, nbytes: int, piece: int) -> float:
+    """Seconds to broadcast ``nbytes`` (in ``piece``-byte broadcasts) over the sender's group: no
+    packing, no checksums, no loading — the baseline the transport is held against. The buffers exist
+    already on both sides (as the transport's do)."""
     from raygym.weightsync.transport_dist import broadcast
+
+    if nbytes not in _RAW:
+        _RAW[nbytes] = torch.ones(nbytes, dtype=torch.uint8)
+    flat = _RAW[nbytes]
+    t0 = time.perf_counter()
+    futures = [sender.transport._pool.submit(link.call, "raw_broadcast", {
+        "group_name": sender.transport.group_name, "nbytes": nbytes, "piece": piece}, 300) for link in links]
+    for start in range(0, nbytes, piece):
+        broadcast(sender.transport._pg, flat[start : start + piece], 300)
+    for f in futures:
+        assert f.result()["success"], f.result()
+    return time.perf_counter() - t0
+
+
+def make_sender(links, mode: str, master: str, bucket: int):
+    from raygym.weightsync.sender import SenderSpec, WeightSender
+
+    s = WeightSender(SenderSpec(engines=links, transport="nccl", mode=mode, encoding="indices", buffer_size=bucket,
+                                timeout_s=300, master_address=master, backend="gloo"))
+    s.setup()
+    return s
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user + system, every thread) used so far by this process and ``pids``."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def measured(fn, pids: list[int]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process and ``pids``) of ``fn()``."""
+    c0, t0 = cpu_seconds(pids), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, cpu_seconds(pids) - c0
+
+
+def transport_figures(versions, rx, rx_shadow, args, memcpy_s: float) -> None:
+    """Full sync (the sender's push, commit included) against raw gloo broadcasts of the same bytes; also
+    double-buffered (shadow begin, push into the shadow, switch) to receivers of their own (every update
+    they get is double-buffered, as in a run). Wall seconds (noisy on a shared machine) and CPU seconds of
+    the sender and the receivers (what one host's cores must do per sync)."""
+    from raygym.weightsync.codec import checksum
+
+    links, pids = rx.links, [p.pid for p in rx.procs]
+    shadow_links, shadow_pids = rx_shadow.links, [p.pid for p in rx_shadow.procs]
+
+    total = sum(t.numel() * t.element_size() for t in versions[0].values())
+    want = {n: checksum(t) for n, t in versions[0].items()}
+    bucket = int(args.bucket_mb * 1024 * 1024)
+    sender = make_sender(links, "full", "127.0.0.1", bucket)
+    shadow_sender = make_sender(shadow_links, "full", "127.0.0.1", bucket)
+    try:
+        piece = sender.bucket_bytes()
+        raws_one, raws_pieces, fulls, shadowed = [], [], [], []
+        cpu: dict[str, list[float]] = {"raw_one": [], "raw_pieces": [], "full": [], "shadowed": []}
+        metrics: dict[int, dict] = {}
+
+        def push(version: int, shadow: bool) -> None:
+            out, to = (shadow_sender, shadow_links) if shadow else (sender, links)
+            if shadow:
+                for link in to:
+                    assert link.call("raygym/shadow_begin", {"full": True}, 300)["success"]
+            metrics[version] = out.push(version, versions[0].items())["metrics"]
+            if shadow:
+                for link in to:
+                    assert link.call("raygym/shadow_switch", {"weight_version": str(version)}, 300)["success"]
+            out.commit(version)
+
+        # warm-up (not timed): buffers allocated and pages touched once, as in a run with many syncs
+        raw_broadcast(sender, links, total, total)
+        push(1, False)
+        push(99, True)  # the shadow copy is allocated on its first use
+        for rep in range(2, args.reps + 2):  # interleaved, so load changes hit all four alike
+            for key, out, fn in (("raw_one", raws_one, lambda: raw_broadcast(sender, links, total, total)),
+                                 ("raw_pieces", raws_pieces, lambda: raw_broadcast(sender, links, total, piece)),
+                                 ("full", fulls, lambda rep=rep: push(rep, False)),
+                                 ("shadowed", shadowed, lambda rep=rep: push(100 + rep, True))):
+                wall, used = measured(fn, shadow_pids if key == "shadowed" else pids)
+                cpu[key].append(used)
+                out.append((wall, metrics.get(100 + rep if key == "shadowed" else rep, {})))
+                if key in ("full", "shadowed"):  # outside the timing: the receivers hold exactly these bytes
+                    for link in shadow_links if key == "shadowed" else links:
+                        got = link.call("weights_checksum", {"names": None}, 300)["checksums"]
+                        assert got == want, f"{link.name} differs after a {key} sync"
+        raws_one = [w for w, _ in raws_one]
+        raws_pieces = [w for w, _ in raws_pieces]
+    finally:
+        sender.close()
+        shadow_sender.close()
+    raw_one, raw_pieces = min(raws_one), min(raws_pieces)
+    full_s, full_m = min(fulls, key=lambda r: r[0])
+    emit("memcpy_same_bytes", memcpy_s, bytes=total, gbps=total / 1e9 / memcpy_s)
+    emit("gloo_raw_broadcast_one_buffer", raw_one, baseline=memcpy_s, ratio=memcpy_s / raw_one,
+         ratio_is="memcpy / this", gbps=total / 1e9 / raw_one, receivers=len(links), reps=raws_one)
+    emit("gloo_raw_broadcast_bucket_pieces", raw_pieces, baseline=raw_one, ratio=raw_one / raw_pieces,
+         ratio_is="one buffer / pieces", piece_bytes=piece, reps=raws_pieces)
+    emit("gloo_full_sync", full_s, baseline=raw_one, ratio=raw_one / full_s,
+         ratio_is="raw one-buffer broadcast / full sync (best of reps)", goal=">= 0.8",
+         ratio_vs_raw_pieces=raw_pieces / full_s,
+         median_ratio=statistics.median(raws_one) / statistics.median(r[0] for r in fulls),
+         reps=[r[0] for r in fulls], **_breakdown(full_m))
+    shadow_s, shadow_m = min(shadowed, key=lambda r: r[0])
+    emit("gloo_full_sync_double_buffered", shadow_s, baseline=raw_one, ratio=raw_one / shadow_s,
+         ratio_is="raw one-buffer broadcast / double-buffered full sync (shadow begin + push + switch)",
+         goal=">= 0.8", ratio_vs_raw_pieces=raw_pieces / shadow_s,
+         median_ratio=statistics.median(raws_one) / statistics.median(r[0] for r in shadowed),
+         reps=[r[0] for r in shadowed],
+         **_breakdown(shadow_m))
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    for key in ("full", "shadowed"):
+        emit(f"cpu_seconds_{'full_sync' if key == 'full' else 'full_sync_double_buffered'}", med[key],
+             baseline=med["raw_pieces"], ratio=med["raw_pieces"] / med[key],
+             ratio_is="CPU seconds of a raw bucket-piece broadcast / of this sync (sender + receivers, median of reps)",
+             raw_one_buffer_cpu_s=med["raw_one"], reps=cpu[key])
+
+
+def make_sync(mode: str, versions, links, args, schedule: list[int], master: str):
+    """A connected WeightSync in ``mode`` whose trainer pushes the seed (wire version 1) and then one
+    ``schedule`` entry per sync."""
+    from raygym.config import Recipe
+    from raygym.weightsync.coordinator import WeightSync
+
+    recipe = Recipe(update_weight_mode=mode, update_weight_transport="nccl", update_weight_encoding="indices",
+                    update_weight_buffer_size=int(args.bucket_mb * 1024 * 1024), update_weight_timeout=300.0,
+                    colocate=False)
+    trainer = BenchTrainer(versions)
+    trainer.schedule = {1: 0, **{i + 2: v for i, v in enumerate(schedule)}}
+    sync = WeightSync(recipe, [trainer], links, spec_overrides={"master_address": master, "backend": "gloo"})
+    sync.setup()
+    return sync
+
+
+def link_modes(label: str, versions, receiver_sets, args, master: str) -> dict[str, float]:
+    """Full, delta and auto over one link, each with its own receivers, interleaved sync by sync (the
+    order rotates every sync) so that load changes on this shared machine hit the three alike."""
+    schedule = ping_pong(args.steps, args.syncs)
+    syncs = {mode: make_sync(mode, versions, rx.links, args, schedule, master)
+             for mode, rx in zip(MODES, receiver_sets, strict=True)}
+    per_sync: dict[str, list[float]] = {m: [] for m in MODES}
+    metrics: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    try:
+        for sync in syncs.values():
+            sync.push(1)  # seeds engines and snapshot; not counted (identical in every mode)
+        for i, wire in enumerate(range(2, len(schedule) + 2)):
+            for mode in MODES[i % 3:] + MODES[: i % 3]:
+                t0 = time.perf_counter()
+                m = syncs[mode].push(wire)
+                per_sync[mode].append(time.perf_counter() - t0)
+                metrics[mode].append(m)
+                assert m["sync/full_resyncs"] == 0.0, f"{label} {mode}: a sync failed verification"
+    finally:
+        for sync in syncs.values():
+            sync.shutdown()
+    totals = {m: sum(per_sync[m]) for m in MODES}
+    n = len(schedule)
+    best = min(totals["full"], totals["delta"])
+    emit(f"{label}_full_sync_mean", totals["full"] / n, syncs=n, per_sync=per_sync["full"])
+    emit(f"{label}_delta_sync_mean", totals["delta"] / n, baseline=totals["full"] / n,
+         ratio=totals["delta"] / totals["full"], ratio_is="delta / full", per_sync=per_sync["delta"],
+         goal="<= 0.15" if label == "1gbit" else None)
+    auto = metrics["auto"]
+    errors = [abs(m["sync/predicted_s"] - m["sync/measured_s"]) / m["sync/measured_s"]
+              for m in auto if "sync/predicted_s" in m]
+    medians = {m: statistics.median(per_sync[m]) for m in MODES}
+    emit(f"{label}_auto_sync_mean", totals["auto"] / n, baseline=best / n, ratio=totals["auto"] / best,
+         ratio_is="auto / better fixed mode", goal="<= 1.10", better_fixed="full" if best == totals["full"] else "delta",
+         median_ratio=medians["auto"] / min(medians["full"], medians["delta"]),
+         modes_chosen="".join("D" if m["sync/mode"] == 1.0 else "F" for m in auto), per_sync=per_sync["auto"],
+         prediction_error_mean=sum(errors) / len(errors) if errors else None)
+    return totals
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    import shaped_link
+    from weight_sync_receivers import Receivers
+
+    from raygym.weightsync.codec import ENCODINGS, encode_delta
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=768)
@@ -160,40 +378,28 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--warm-steps", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=2, help="measured steps, one delta sync each")
+    ap.add_argument("--steps", type=int, default=2, help="trained steps after the warm-up (syncs cycle through them)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--bucket-mb", type=float, default=32)
-    ap.add_argument("--reps", type=int, default=2, help="repetitions of the full syncs and baselines (best kept)")
-    ap.add_argument("--disk-dir", default="")
+    ap.add_argument("--reps", type=int, default=8, help="repetitions of the full sync and raw baselines (interleaved)")
+    ap.add_argument("--syncs", type=int, default=20, help="measured syncs per mode and link (after a seeding one)")
+    ap.add_argument("--link-gbit", type=float, nargs="*", default=[10.0, 1.0])
     ap.add_argument("--receivers", type=int, default=2)
+    ap.add_argument("--cache-dir", default="", help="keep the trained versions here (skips training next time)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["loopback", "links", "serving"])
+    ap.add_argument("--serving-syncs", type=int, default=4)
     args = ap.parse_args()
 
-    # ---- trainer: warm-up steps, then the weights of every measured step
-    model = build_model(args)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.1)
-    gen = torch.Generator().manual_seed(1)
-    t0 = time.perf_counter()
-    for _ in range(args.warm_steps):
-        train_step(model, opt, gen, args)
-    versions = [engine_weights(model)]
-    for _ in range(args.steps):
-        train_step(model, opt, gen, args)
-        versions.append(engine_weights(model))
-    train_s = time.perf_counter() - t0
-    del opt, model
+    versions, train_s, config = trained_versions(args)
     v0 = versions[0]
     names = list(v0)
     numel = sum(t.numel() for t in v0.values())
     total_bytes = numel * 2
     emit("model", float(numel), unit="params", bytes=total_bytes, tensors=len(names), train_s=train_s,
          warm_steps=args.warm_steps, steps=args.steps, lr=args.lr)
-
-    # ---- physical reference: memcpy of the same bytes into memory that already exists
     memcpy_s = memcpy_seconds(total_bytes)
-    emit("memcpy_same_bytes", memcpy_s, bytes=total_bytes, gbps=total_bytes / 1e9 / memcpy_s)
 
-    # ---- what changes per step, and payload sizes per encoding (pure codec, no transport)
     fracs = []
     for step in range(1, len(versions)):
         changed = sum(int((versions[step][n].view(torch.int16) != versions[step - 1][n].view(torch.int16)).sum())
@@ -205,116 +411,48 @@ def main() -> None:
         size = sum(len(encode_delta(versions[1][n], v0[n], enc)) for n in names)
         emit(f"payload_delta_over_full[{enc}]", size / total_bytes, unit="ratio", baseline=fracs[0],
              ratio=size / total_bytes / fracs[0], ratio_is="payload ratio / changed fraction",
-             goal="<= 0.06" if enc == "indices" else None, encode_s=time.perf_counter() - t0, payload_bytes=size)
+             encode_s=time.perf_counter() - t0, payload_bytes=size)
 
-    # ---- receivers
-    ctx = mp.get_context("spawn")
     shapes = {n: (tuple(t.shape), "bfloat16") for n, t in v0.items()}
-    procs, links = [], []
-    for i in range(args.receivers):
-        a, b = ctx.Pipe()
-        proc = ctx.Process(target=receiver_main, args=(b, shapes), daemon=True)
-        proc.start()
-        procs.append(proc)
-        links.append(PipeEngineLink(a, f"receiver{i}"))
-    want = {v: {n: checksum(t) for n, t in w.items()} for v, w in enumerate(versions)}
-    disk_dir = args.disk_dir or tempfile.mkdtemp(prefix="raygym-bench-")
-    bucket = int(args.bucket_mb * 1024 * 1024)
+    if "loopback" not in args.skip:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        sets = [Receivers(args.receivers, shapes, ifname="lo", tag=f"lo{m}") for m in MODES]
+        try:
+            transport_figures(versions, sets[0], sets[1], args, memcpy_s)
+            link_modes("loopback", versions, sets, args, "127.0.0.1")
+        finally:
+            for rx in sets:
+                rx.close()
+    if "links" not in args.skip and args.link_gbit:
+        why = shaped_link.available()
+        if why:
+            emit("shaped_links_skipped", 0.0, unit="", reason=why)
+        else:
+            with shaped_link.ShapedLink() as link:
+                os.environ["GLOO_SOCKET_IFNAME"] = link.host_if
+                sets = [Receivers(args.receivers, shapes, netns=link.netns_path, ifname=link.ns_if, tag=f"ns{m}")
+                        for m in MODES]
+                try:
+                    for gbit in args.link_gbit:
+                        shaping = link.set_rate_gbit(gbit)
+                        sender = make_sender(sets[0].links, "full", link.host_ip, int(args.bucket_mb * 1024 * 1024))
+                        try:
+                            raw = min(raw_broadcast(sender, sets[0].links, total_bytes, sender.bucket_bytes())
+                                      for _ in range(2))
+                        finally:
+                            sender.close()
+                        label = f"{gbit:g}gbit"
+                        emit(f"{label}_raw_broadcast", raw, gbps_per_receiver=total_bytes * 8 / 1e9 / raw,
+                             shaping=shaping)
+                        link_modes(label, versions, sets, args, link.host_ip)
+                finally:
+                    for rx in sets:
+                        rx.close()
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if "serving" not in args.skip:
+        from weight_sync_serving import serving_pause
 
-    def sender(transport: str, mode: str) -> WeightSender:
-        s = WeightSender(SenderSpec(engines=links, transport=transport, mode=mode, encoding="indices",
-                                    buffer_size=bucket, timeout_s=300, disk_dir=disk_dir,
-                                    master_address="127.0.0.1", backend="gloo"))
-        s.setup()
-        return s
-
-    def timed_push(s: WeightSender, wire_version: int, weights_version: int) -> tuple[float, dict]:
-        t0 = time.perf_counter()
-        result = s.push(wire_version, versions[weights_version].items())
-        s.commit(wire_version)
-        elapsed = time.perf_counter() - t0
-        for link in links:  # verify outside the timing: the receivers hold exactly these bytes
-            got = link.call("weights_checksum", {"names": None}, 300)["checksums"]
-            assert got == want[weights_version], f"{link.name} differs after version {wire_version}"
-        return elapsed, result["metrics"]
-
-    def raw_broadcast(s: WeightSender, piece: int) -> float:
-        flat = torch.ones(total_bytes, dtype=torch.uint8)
-        t0 = time.perf_counter()
-        futures = [s.transport._pool.submit(link.call, "raw_broadcast", {"group_name": s.transport.group_name,
-                                            "nbytes": total_bytes, "piece": piece}, 300) for link in links]
-        for start in range(0, total_bytes, piece):
-            broadcast(s.transport._pg, flat[start : start + piece], 300)
-        for f in futures:
-            assert f.result()["success"]
-        return time.perf_counter() - t0
-
-    try:
-        # gloo baselines: the same bytes as one buffer, and in bucket-size pieces
-        full_sender = sender("nccl", "full")
-        pieces = min(bucket, full_sender.bucket_bytes()) if hasattr(full_sender, "bucket_bytes") else bucket
-        raw_s = min(raw_broadcast(full_sender, total_bytes) for _ in range(args.reps))
-        emit("gloo_raw_broadcast_one_buffer", raw_s, baseline=memcpy_s, ratio=memcpy_s / raw_s,
-             ratio_is="memcpy / this", gbps=total_bytes / 1e9 / raw_s, receivers=args.receivers)
-        raw_pieces_s = min(raw_broadcast(full_sender, pieces) for _ in range(args.reps))
-        emit("gloo_raw_broadcast_bucket_pieces", raw_pieces_s, baseline=raw_s, ratio=raw_s / raw_pieces_s,
-             ratio_is="one buffer / pieces", piece_bytes=pieces)
-
-        # full sync (mode full), best of reps
-        runs = [timed_push(full_sender, rep + 1, 0) for rep in range(args.reps)]
-        full_s, full_m = min(runs, key=lambda r: r[0])
-        emit("gloo_full_sync", full_s, baseline=raw_s, ratio=raw_s / full_s, ratio_is="raw one-buffer broadcast / full",
-             goal=">= 0.8", ratio_vs_pieces=raw_pieces_s / full_s, **_breakdown(full_m))
-        full_sender.close()
-
-        # delta sender: its first push is full and seeds the snapshot, then one delta per step
-        delta_sender = sender("nccl", "delta")
-        seed_s, seed_m = timed_push(delta_sender, 1, 0)
-        emit("gloo_full_sync_seeding_snapshot", seed_s, baseline=full_s, ratio=seed_s / full_s,
-             ratio_is="this / full sync", **_breakdown(seed_m))
-        deltas = [timed_push(delta_sender, step + 1, step) for step in range(1, len(versions))]
-        for step, (delta_s, dm) in enumerate(deltas, start=1):
-            emit("gloo_delta_sync", delta_s, baseline=full_s, ratio=delta_s / full_s, ratio_is="delta / full",
-                 goal="<= 0.5", step=step, **_breakdown(dm))
-        delta_sender.close()
-
-        # disk: full (best of reps, mode full) vs delta per step
-        disk_full = sender("disk", "full")
-        dfull_s, dfull_m = min((timed_push(disk_full, rep + 1, 0) for rep in range(args.reps)), key=lambda r: r[0])
-        emit("disk_full_sync", dfull_s, dir=disk_dir, **_breakdown(dfull_m))
-        disk_full.close()
-        disk = sender("disk", "delta")
-        timed_push(disk, 1, 0)
-        for step in range(1, len(versions)):
-            ddelta_s, dm = timed_push(disk, step + 1, step)
-            emit("disk_delta_sync", ddelta_s, baseline=dfull_s, ratio=ddelta_s / dfull_s, ratio_is="delta / full",
-                 goal="<= 0.25", step=step, **_breakdown(dm))
-        disk.close()
-    finally:
-        for link in links:
-            link.conn.send(("stop", {}))
-        for proc in procs:
-            proc.join(timeout=30)
-        if not args.disk_dir:
-            shutil.rmtree(disk_dir, ignore_errors=True)
-
-
-def memcpy_seconds(nbytes: int) -> float:
-    """Best of 3 copies of ``nbytes`` between buffers that already exist (torch's threaded copy)."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.zeros(nbytes, dtype=torch.uint8)
-    return min(_timed(lambda: dst.copy_(src)) for _ in range(3))
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def _breakdown(m: dict[str, float]) -> dict[str, float]:
-    keys = ("sync/bytes", "sync/changed_frac", "sync/encode_s", "sync/transfer_s", "sync/wait_s", "sync/buckets")
-    return {k.removeprefix("sync/"): m[k] for k in keys if k in m}
+        serving_pause(versions, config, args, emit)
 
 
 if __name__ == "__main__":

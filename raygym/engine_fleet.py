@@ -51,7 +51,9 @@ class EngineFleet:
         from raygym.rollout.capabilities import weight_update_session
         from raygym.weightsync.coordinator import WeightSync
 
+        learned = None  # what update_weight_mode="auto" measured so far carries over to the new group
         if self.weight_sync is not None:
+            learned = self.weight_sync.cost_model
             self.weight_sync.shutdown()  # the trainer leaves the old group; live engines destroy theirs
             self.weight_sync = None
         self.urls = ray.get([h.url.remote() for h in self.engines.handles])
@@ -61,7 +63,7 @@ class EngineFleet:
             overrides["cast_dtype"] = info.get("dtype") or self.engine_dtype
         sync = WeightSync(self.recipe, self.trainers.handles, [self.urls[i] for i in indexes],
                           engine_kind=info["kind"], session=weight_update_session(info["kind"], info["version"]),
-                          spec_overrides=overrides)
+                          spec_overrides=overrides, cost_model=learned)
         sync.setup()
         self.weight_sync, self.synced = sync, list(indexes)
 

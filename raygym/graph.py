@@ -47,7 +47,7 @@ def preflight_engine(recipe: Any, model_path: str | None = None) -> str:
 
     kind = choose_rollout_engine(recipe.rollout_engine)
     check_weight_sync(kind, mode=recipe.update_weight_mode, transport=recipe.update_weight_transport,
-                      colocate=recipe.colocate)
+                      colocate=recipe.colocate, double_buffer=recipe.update_weight_double_buffer)
     if kind == "sglang":
         python = recipe.rollout_engine_python or sys.executable
         probe = subprocess.run([python, "-c", "import sglang"], capture_output=True, text=True, timeout=600,

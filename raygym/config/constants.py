@@ -16,7 +16,7 @@ RECIPE_CHOICES: dict[str, tuple[Any, ...]] = {
     "recompute_method": ("uniform", "block"),
     "qkv_format": ("thd", "bshd"),
     "megatron_to_hf_mode": ("", "bridge", "raw"),
-    "update_weight_mode": ("full", "delta"),
+    "update_weight_mode": ("full", "delta", "auto"),
     "update_weight_transport": ("nccl", "disk", "ipc"),
     "update_weight_encoding": ("indices", "deltas", "deltas_zstd"),
     "update_weight_pause_mode": ("abort", "in_place"),

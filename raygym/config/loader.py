@@ -97,9 +97,15 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+# Python 3.11's argparse turns ``--flag=--`` into an empty list: the value travels under this stand-in.
+_DOUBLE_DASH = "\x00--"
+
+
 def config_from_cli_args(args: list[str]) -> TrainConfig:
     flag_args, toml_files = _split_toml_includes(args)
+    flag_args = [a[:-2] + _DOUBLE_DASH if a.startswith("--") and a.endswith("=--") else a for a in flag_args]
     parsed = vars(_cached_parser().parse_args(flag_args))
+    parsed = {dest: "--" if raw == _DOUBLE_DASH else raw for dest, raw in parsed.items()}
     layers: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
     preset_name: str | None = None
     for path in toml_files:

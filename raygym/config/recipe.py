@@ -233,7 +233,8 @@ class Recipe(Section):
 
     # ── weight sync ──
     update_weight_mode: str = option(
-        "full", "Weight synchronization mode. 'full' sends all weights; 'delta' sends byte-level changes."
+        "full", "Weight synchronization mode. 'full' sends all weights; 'delta' sends byte-level changes; 'auto' "
+        "picks full or delta for each sync from the measured cost of both (fast links: full; slow links: delta)."
     )
     update_weight_transport: str = option(
         "nccl", "'nccl' (gloo on CPU), 'disk' (needs a shared filesystem) or 'ipc' (colocated on GPU)."
@@ -246,6 +247,12 @@ class Recipe(Section):
         "abort", "How engines pause generation for a sync: 'abort' or 'in_place'."
     )
     update_weight_timeout: float = option(600.0, "Seconds one weight sync may take before it fails.")
+    update_weight_double_buffer: bool = option(
+        False,
+        "Engines receive the next version into a shadow copy while they keep serving the current one, then "
+        "switch between two forward passes: generation pauses only for the switch (raygym's server; costs a "
+        "second copy of the weights on every engine).",
+    )
     update_weight_probe_tolerance: float = option(
         0.1,
         "Engines verified by probe (stock SGLang): largest mean |log-prob difference| between the engine and "

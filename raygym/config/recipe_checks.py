@@ -171,9 +171,15 @@ def check_modes(r: Recipe) -> None:
             "update_weight_transport='ipc' needs colocate=True (handles only work on the same GPU); "
             "use --update-weight-transport nccl or pass --colocate"
         )
+    if r.update_weight_double_buffer and r.colocate:
+        raise ConfigError(
+            "update_weight_double_buffer=True with colocate=True: colocated engines release their memory for "
+            "training and receive weights by handle, there is nothing to serve from during a sync; pass "
+            "--no-update-weight-double-buffer or --no-colocate"
+        )
     if r.rollout_engine != "auto":
-        check_weight_sync(r.rollout_engine, mode=r.update_weight_mode,
-                          transport=r.update_weight_transport, colocate=r.colocate)
+        check_weight_sync(r.rollout_engine, mode=r.update_weight_mode, transport=r.update_weight_transport,
+                          colocate=r.colocate, double_buffer=r.update_weight_double_buffer)
     if r.advantage_estimator == "ppo" and not r.use_critic:
         raise ConfigError(
             "advantage_estimator='ppo' needs use_critic=True (PPO learns a value function); pass --use-critic"

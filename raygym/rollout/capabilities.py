@@ -63,6 +63,8 @@ class EngineCapabilities:
             ``--enable-memory-saver``, on GPU) or ``"sleep_mode"`` (vLLM's sleep/wake, only when launched
             with sleep mode, on GPU).
         accepts_api_key_env: the server reads its API key from the environment (else from a config file).
+        double_buffer: the engine can receive the next version into a shadow copy while it keeps serving
+            the current one, and switch between two forward passes (``update_weight_double_buffer``).
     """
 
     kind: str
@@ -73,6 +75,7 @@ class EngineCapabilities:
     delta_loader: str
     memory_release: str
     accepts_api_key_env: bool
+    double_buffer: bool = False
 
 
 # Custom loaders (SGLang's convention: ``fn(model, named_tensors)``, imported by dotted path).
@@ -84,7 +87,7 @@ _CAPABILITIES = {
         kind="raygym", verification="checksum",
         full_transports=frozenset(TRANSPORTS), delta_transports=frozenset({"nccl", "disk"}),
         dist_format="raygym_bucket", delta_loader=DIRECT_LOADER, memory_release="always",
-        accepts_api_key_env=True,
+        accepts_api_key_env=True, double_buffer=True,
     ),
     "sglang": EngineCapabilities(
         kind="sglang", verification="probe",
@@ -133,9 +136,33 @@ def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(n) for n in re.findall(r"^(\d+)(?:\.(\d+))?(?:\.(\d+))?", version)[0] if n)
 
 
-def check_weight_sync(kind: str, *, mode: str, transport: str, colocate: bool) -> None:
-    """Raise ConfigError when engine kind ``kind`` cannot receive ``mode`` payloads over ``transport``."""
+def payload_modes(kind: str, *, transport: str, colocate: bool) -> tuple[str, ...]:
+    """The payloads (``full``, ``delta``) engine kind ``kind`` can receive over ``transport``: what
+    ``update_weight_mode="auto"`` may choose from. Colocated engines take full weights only (a handle
+    costs the same whatever changed).
+
+    >>> payload_modes("raygym", transport="nccl", colocate=False), payload_modes("sglang", transport="nccl", colocate=False)
+    (('full', 'delta'), ('full',))
+    """
     caps = capabilities(kind)
+    modes = ("full",) if transport in caps.full_transports else ()
+    if transport in caps.delta_transports and not colocate:
+        modes += ("delta",)
+    return modes
+
+
+def check_weight_sync(kind: str, *, mode: str, transport: str, colocate: bool, double_buffer: bool = False) -> None:
+    """Raise ConfigError when engine kind ``kind`` cannot receive ``mode`` payloads over ``transport``
+    (``auto``: when it can receive neither), or cannot double-buffer when ``double_buffer`` is asked for."""
+    caps = capabilities(kind)
+    if double_buffer and not caps.double_buffer:
+        raise ConfigError(
+            f"update_weight_double_buffer=True is not possible with rollout_engine={kind!r}: it cannot receive a "
+            "version into a shadow copy while serving; pass --no-update-weight-double-buffer")
+    if mode == "auto":
+        if payload_modes(kind, transport=transport, colocate=colocate):
+            return
+        mode = "full"
     allowed = caps.delta_transports if mode == "delta" else caps.full_transports
     if transport in allowed:
         return

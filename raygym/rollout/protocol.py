@@ -51,6 +51,9 @@ class Endpoint(str, enum.Enum):
     WEIGHTS_CHECKER = "/weights_checker"
     RAYGYM_WEIGHTS_CHECKSUM = "/raygym/weights_checksum"
     RAYGYM_STATS = "/raygym/stats"
+    RAYGYM_SHADOW_BEGIN = "/raygym/shadow_begin"  # double-buffered updates (raygym's server)
+    RAYGYM_SHADOW_SWITCH = "/raygym/shadow_switch"
+    RAYGYM_SHADOW_DISCARD = "/raygym/shadow_discard"
 
     @property
     def name_without_slash(self) -> str:
@@ -66,6 +69,7 @@ STATE_CHANGING = frozenset({
     Endpoint.UPDATE_WEIGHTS_FROM_TENSOR, Endpoint.INIT_WEIGHTS_UPDATE_GROUP,
     Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED, Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP,
     Endpoint.BEGIN_WEIGHT_UPDATE, Endpoint.END_WEIGHT_UPDATE, Endpoint.UPDATE_WEIGHT_VERSION,
+    Endpoint.RAYGYM_SHADOW_BEGIN, Endpoint.RAYGYM_SHADOW_SWITCH, Endpoint.RAYGYM_SHADOW_DISCARD,
 })
 
 PAUSE_MODES = ("abort", "in_place", "retract")
@@ -195,9 +199,31 @@ class BeginWeightUpdate(_Body):
 
 
 class WeightsChecksum(_Body):
-    """raygym extension: ``{"names": [...] | None}`` -> :class:`WeightsChecksumResponse`."""
+    """raygym extension: ``{"names": [...] | None, "shadow": false}`` -> :class:`WeightsChecksumResponse`
+    (``shadow``: of the copy a double-buffered update is loading, not of the served weights)."""
 
     names: list[str] | None = None
+    shadow: bool = False
+
+
+class ShadowBegin(_Body):
+    """raygym extension: the following weight updates load into a shadow copy while the model serves;
+    ``full``: the update rewrites every tensor it sends (no need to copy the served weights first)."""
+
+    full: bool = False
+
+
+class ShadowSwitch(_Body):
+    """raygym extension: serve the shadow copy (between two forward passes) under ``weight_version``
+    (default: the version its updates carried); ``abort_all_requests`` aborts what is in flight first."""
+
+    weight_version: str | None = None
+    abort_all_requests: bool = False
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version_as_text(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
 
 class WeightsChecksumResponse(_Body):

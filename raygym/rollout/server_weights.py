@@ -2,9 +2,13 @@
 :class:`raygym.weightsync.receiver.WeightReceiver`, which does the work.
 
 Requests of one weight-update group are received in arrival order (a sender may post bucket k+1 while
-bucket k still loads); receiving runs in a thread before the model is taken, so a busy engine never
-stalls the sender; loading takes the model between two decode steps (or after the running batch when
-generation is not paused, as SGLang does).
+bucket k still loads) on one thread and loaded in the same order on another, so bucket k+1 comes off the
+wire while bucket k is applied; a busy engine never stalls the sender; loading takes the model between
+two decode steps (or after the running batch when generation is not paused, as SGLang does).
+
+Double-buffered updates (``/raygym/shadow_begin``, the usual update routes, ``/raygym/weights_checksum``
+with ``shadow: true``, ``/raygym/shadow_switch``) load into a shadow copy without taking the model, so
+generation goes on; the switch takes the model between two decode steps only for the swap.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from raygym.rollout import protocol
 from raygym.rollout.generation import GenerationEngine
 from raygym.rollout.protocol import Endpoint
 from raygym.rollout.server_http import BadRequest, handles_errors, parse, read_json, result_response
-from raygym.weightsync.receiver import WeightReceiver, WeightRequestError, copy_by_name
+from raygym.weightsync.receiver import WeightReceiver
 
 
 class WeightRoutes:
@@ -30,7 +34,6 @@ class WeightRoutes:
         self.engine = engine
         self.receiver = receiver
         self._released = released
-        self._order: dict[str, asyncio.Lock] = {}
 
     def register(self, router: web.UrlDispatcher) -> None:
         routes: dict[Endpoint, Callable[[web.Request], Any]] = {
@@ -43,6 +46,9 @@ class WeightRoutes:
             Endpoint.END_WEIGHT_UPDATE: self.end_weight_update,
             Endpoint.UPDATE_WEIGHT_VERSION: self.update_weight_version,
             Endpoint.RAYGYM_WEIGHTS_CHECKSUM: self.weights_checksum,
+            Endpoint.RAYGYM_SHADOW_BEGIN: self.shadow_begin,
+            Endpoint.RAYGYM_SHADOW_SWITCH: self.shadow_switch,
+            Endpoint.RAYGYM_SHADOW_DISCARD: self.shadow_discard,
         }
         for endpoint, handler in routes.items():
             router.add_route("*", endpoint.value, handler)  # wrong methods get a 405 from the guard
@@ -84,23 +90,38 @@ class WeightRoutes:
         req = await parse(request, protocol.UpdateWeightsFromDistributed)
         if req.group_name not in self.receiver.groups:
             raise BadRequest(f"group_name={req.group_name!r}: no such group; call /init_weights_update_group first")
-        fn = copy_by_name if req.load_format == protocol.FLATTENED_BUCKET else self.receiver.resolve_loader(req.load_format)
+        self.receiver.resolve_loader(None if req.load_format == protocol.FLATTENED_BUCKET else req.load_format)
         self._require_weights_resident()
         self._abort_first(req)
-        async with self._order.setdefault(req.group_name, asyncio.Lock()):  # FIFO per group
-            try:
-                received = await asyncio.to_thread(self.receiver.receive_distributed, req)
-            except WeightRequestError as exc:
-                return result_response({"success": False, "message": f"Failed to update weights: {exc}"})
-            except Exception as exc:
-                return result_response({"success": False,
-                                        "message": f"Failed to receive weights: {type(exc).__name__}: {exc}"})
-            return result_response(await asyncio.to_thread(self.receiver.load, received, fn, req.weight_version))
+        # Submitted in arrival order (no await between here and the submit): received and loaded in that order.
+        answer = self.receiver.submit_distributed(**req.model_dump())
+        return result_response(await asyncio.wrap_future(answer))
+
+    @handles_errors
+    async def shadow_begin(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.ShadowBegin, required=False)
+        self._require_weights_resident()
+        return result_response(await asyncio.to_thread(self.receiver.shadow_begin, **req.model_dump()))
+
+    @handles_errors
+    async def shadow_switch(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.ShadowSwitch, required=False)
+        self._require_weights_resident()
+        if req.abort_all_requests:
+            self.engine.abort(abort_all=True, message="aborted for a weight version switch")
+        # The swap only exchanges storage: take the model between two decode steps, never wait for the batch.
+        answer = await asyncio.to_thread(self.receiver.shadow_switch, hold=lambda: self.engine.exclusive(wait_idle=False),
+                                         **req.model_dump())
+        return result_response(answer)
+
+    @handles_errors
+    async def shadow_discard(self, request: web.Request) -> web.Response:
+        await read_json(request, required=False)
+        return result_response(self.receiver.shadow_discard())
 
     @handles_errors
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         req = await parse(request, protocol.DestroyWeightsUpdateGroup, required=False)
-        self._order.pop(req.group_name, None)
         return result_response(await asyncio.to_thread(self.receiver.destroy_weights_update_group, **req.model_dump()))
 
     @handles_errors

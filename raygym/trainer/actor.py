@@ -269,8 +269,8 @@ class TrainerActor:
         self._wsync = RankWeightSync(self.get_rank())
         return self._wsync.init(spec)
 
-    def push_weights(self, version: int, force_full: bool = False) -> dict[str, Any]:
-        return self._wsync.push(version, self.backend.iter_hf_weights(), force_full)
+    def push_weights(self, version: int, force_full: bool = False, refresh_snapshot: bool = True) -> dict[str, Any]:
+        return self._wsync.push(version, self.backend.iter_hf_weights(), force_full, refresh_snapshot)
 
     def commit_weights(self, version: int) -> None:
         self._wsync.commit(version)

@@ -15,11 +15,23 @@
 Metrics say what was checked: ``sync/verified_tensors`` (exact checksums compared), ``sync/probe_tokens``,
 ``sync/probe_logprob_diff_mean`` and ``_max`` (probe), ``sync/verified_versions`` (labels read back).
 
+``update_weight_mode="auto"``: a :class:`~raygym.weightsync.sync_cost.SyncCostModel` picks full or delta
+before each sync (among the payloads the engine kind takes over the transport) and learns from what the
+sync cost: ``sync/mode``, ``sync/predicted_s`` (for the chosen mode), ``sync/predicted_full_s``,
+``sync/predicted_delta_s``, ``sync/measured_s``, ``sync/explore`` (1 when the mode was picked to be measured).
+
+``update_weight_double_buffer`` (engines that can, :mod:`raygym.rollout.capabilities`): steps 1-2 are
+skipped; the engines load ``version`` into a shadow copy while they keep generating
+(``/raygym/shadow_begin``), the shadow's checksums are verified, and ``/raygym/shadow_switch`` swaps it in
+between two forward passes (aborting what is in flight first when the pause mode is ``abort``).
+``sync/pause_s`` is how long generation was held: the whole pause without double buffering, the
+longest switch with it.
+
 >>> sync = WeightSync(recipe, trainers=[rank0, rank1], engines=["http://10.0.0.5:30000"])  # doctest: +SKIP
 >>> sync.setup(); metrics = sync.push(version=1); sync.shutdown()                         # doctest: +SKIP
 
 ``trainers`` are TrainerActor handles (rank 0 first) with ``init_weight_sync(spec)``,
-``push_weights(version, force_full)``, ``commit_weights(version)``, ``discard_weights()`` and, for the
+``push_weights(version, force_full, refresh_snapshot)``, ``commit_weights(version)``, ``discard_weights()`` and, for the
 probe, ``probe_log_probs(prompts, responses)``; plain objects with those methods (same process) work too.
 """
 
@@ -35,6 +47,7 @@ from raygym.rollout.capabilities import capabilities
 from raygym.weightsync.engine_link import EngineLink, as_link, checked
 from raygym.weightsync.probe import EngineProbe, ProbeSpec, compare_logprobs
 from raygym.weightsync.sender import SenderSpec
+from raygym.weightsync.sync_cost import ModeChoice, SyncCostModel, SyncSample
 
 FLUSH_RETRIES = 20
 FLUSH_SLEEP_S = 0.25
@@ -65,9 +78,11 @@ class WeightSync:
 
     def __init__(self, recipe: Recipe, trainers: Sequence[Any], engines: Sequence[str | EngineLink], *,
                  engine_kind: str = "raygym", session: bool = False,
-                 spec_overrides: dict[str, Any] | None = None):
+                 spec_overrides: dict[str, Any] | None = None, cost_model: SyncCostModel | None = None):
         """``engine_kind``: what the engines are (decides format and verification); ``session``: wrap every
-        update in ``/begin_weight_update`` ... ``/end_weight_update`` (stock SGLang from 0.5.23)."""
+        update in ``/begin_weight_update`` ... ``/end_weight_update`` (stock SGLang from 0.5.23);
+        ``cost_model``: what ``auto`` learned so far for this transport and engine kind (e.g. from the
+        WeightSync this one replaces after an engine restart)."""
         self.trainers = list(trainers)
         if not self.trainers:
             raise ValueError("WeightSync needs at least one trainer (rank 0 first)")
@@ -81,6 +96,9 @@ class WeightSync:
         self.temperature = recipe.rollout_temperature
         self.full_interval = recipe.update_weight_full_interval
         self.pause_mode = recipe.update_weight_pause_mode
+        self.double_buffer = recipe.update_weight_double_buffer and capabilities(engine_kind).double_buffer
+        self.cost_model = (cost_model or SyncCostModel(self.spec.payload_modes)) if self.spec.mode == "auto" else None
+        self._raw_bytes = 0.0
         self.timeout_s = self.spec.timeout_s
         self.version: int | None = None
         self.syncs = 0
@@ -96,14 +114,19 @@ class WeightSync:
         start = time.perf_counter()
         force = self._force_full or (self.full_interval > 0 and self.syncs % self.full_interval == 0
                                      and self.syncs > 0)
-        result, error = self._paused_push(version, force)
-        resynced = 0.0
+        choice = self._choose(force)
+        refresh = True
+        if choice is not None and choice.mode == "full":
+            force, refresh = True, choice.refresh_snapshot
+        result, error = self._attempt(version, force, refresh)
         if error is None and self.verification == "probe":
             error = self._probe(version, result["metrics"])
+        measured_s = time.perf_counter() - start
+        resynced = 0.0
         if error is not None:
             self.full_resyncs += 1
             resynced = 1.0
-            result, error = self._paused_push(version, force_full=True)
+            result, error = self._attempt(version, force_full=True)
             if error is None and self.verification == "probe":
                 error = self._probe(version, result["metrics"])
             if error is not None:
@@ -114,16 +137,79 @@ class WeightSync:
         metrics = dict(result["metrics"])
         metrics.update({"sync/full_resyncs": float(self.full_resyncs), "sync/resynced": resynced,
                         "sync/time_s": time.perf_counter() - start})
+        if choice is not None:
+            self._learn(choice, metrics, measured_s, observe=not resynced)
         return metrics
 
-    def _paused_push(self, version: int, force_full: bool) -> tuple[dict[str, Any], str | None]:
+    def _choose(self, force_full: bool) -> ModeChoice | None:
+        """``auto``: the mode of this sync (a forced full sync is still predicted, to compare)."""
+        if self.cost_model is None:
+            return None
+        if force_full:
+            model = self.cost_model
+            return ModeChoice("full", "forced", model.predict("full", self._raw_bytes),
+                              model.predict("delta", self._raw_bytes))
+        return self.cost_model.choose(self._raw_bytes)
+
+    def _learn(self, choice: ModeChoice, metrics: dict[str, float], measured_s: float, observe: bool) -> None:
+        """Fold what the sync cost into the cost model; report prediction against measurement."""
+        assert self.cost_model is not None
+        mode = "delta" if metrics["sync/mode"] == 1.0 else "full"
+        self._raw_bytes = metrics["sync/raw_bytes"]
+        if observe:
+            self.cost_model.observe(SyncSample(mode, raw_bytes=metrics["sync/raw_bytes"],
+                                               wire_bytes=metrics["sync/bytes"], seconds=measured_s,
+                                               transfer_s=metrics["sync/transfer_s"]))
+        predicted = {"full": choice.predicted_full_s, "delta": choice.predicted_delta_s}
+        for key, value in (("sync/predicted_s", predicted[mode]), ("sync/predicted_full_s", choice.predicted_full_s),
+                           ("sync/predicted_delta_s", choice.predicted_delta_s)):
+            if value is not None:
+                metrics[key] = value
+        metrics["sync/measured_s"] = measured_s
+        metrics["sync/explore"] = 1.0 if choice.reason == "explore" else 0.0
+
+    def _attempt(self, version: int, force_full: bool, refresh: bool = True) -> tuple[dict[str, Any], str | None]:
+        """One push of ``version``: into the engines' shadow copies, or paused. ``refresh``: a full push also
+        updates the sender's delta snapshot."""
+        if self.double_buffer:
+            return self._shadow_push(version, force_full, refresh)
+        return self._paused_push(version, force_full, refresh)
+
+    def _shadow_push(self, version: int, force_full: bool, refresh: bool) -> tuple[dict[str, Any], str | None]:
+        """Load into every engine's shadow copy while they serve, verify the shadows, switch, commit."""
+        start = time.perf_counter()
+        try:
+            catch_up = [checked(link, "raygym/shadow_begin", {"full": force_full}, self.timeout_s) for link in self.links]
+            result, error = self._push_and_verify(version, force_full, refresh, shadow=True)
+            if error is None:
+                switched = [checked(link, "raygym/shadow_switch",
+                                    {"weight_version": str(version), "abort_all_requests": self.pause_mode == "abort"},
+                                    self.timeout_s) for link in self.links]
+                _invoke_all(self.trainers[:1], "commit_weights", version, timeout=self.timeout_s)
+                result["metrics"]["sync/pause_s"] = max(float(a.get("switch_s", 0.0)) for a in switched)
+                result["metrics"]["sync/shadow_catch_up_s"] = max(float(a.get("catch_up_s", 0.0)) for a in catch_up)
+        except WeightSyncError as exc:  # a shadow could not be prepared or switched
+            error, result = str(exc), {}
+            _invoke(self.trainers[0], "discard_weights", timeout=self.timeout_s)
+        if error is not None:
+            for link in self.links:
+                try:
+                    checked(link, "raygym/shadow_discard", {}, self.timeout_s)
+                except WeightSyncError:
+                    pass  # an engine that cannot answer is reported by its health check
+        elif result:
+            result["metrics"]["sync/shadow_s"] = time.perf_counter() - start
+        return result, error
+
+    def _paused_push(self, version: int, force_full: bool, refresh: bool) -> tuple[dict[str, Any], str | None]:
         """Pause, push and verify what can be verified while paused, commit, continue."""
+        paused_at = time.perf_counter()
         self._pause()
         try:
             if self.session:
                 self._all("begin_weight_update", {})
             try:
-                result, error = self._push_and_verify(version, force_full)
+                result, error = self._push_and_verify(version, force_full, refresh)
             finally:
                 if self.session:
                     self._all("end_weight_update", {})
@@ -131,6 +217,8 @@ class WeightSync:
                 _invoke_all(self.trainers[:1], "commit_weights", version, timeout=self.timeout_s)
         finally:
             self._continue()
+        if error is None:
+            result["metrics"]["sync/pause_s"] = time.perf_counter() - paused_at
         return result, error
 
     def _probe(self, version: int, metrics: dict[str, float]) -> str | None:
@@ -163,14 +251,16 @@ class WeightSync:
         for link in self.links:
             checked(link, endpoint, payload, self.timeout_s)
 
-    def verify(self, version: int, expected: dict[str, str]) -> list[str]:
-        """Engines whose weight version or checksums differ from ``expected`` (descriptions)."""
+    def verify(self, version: int, expected: dict[str, str], shadow: bool = False) -> list[str]:
+        """Engines whose weight version or checksums differ from ``expected`` (descriptions); ``shadow``:
+        of the copy a double-buffered update loaded, before it is served."""
         if self.verification == "probe":
             return self.verify_versions(version)
         bad = []
         for link in self.links:
             try:
-                answer = checked(link, "raygym/weights_checksum", {"names": None}, self.timeout_s)
+                body: dict[str, Any] = {"names": None, "shadow": True} if shadow else {"names": None}
+                answer = checked(link, "raygym/weights_checksum", body, self.timeout_s)
             except WeightSyncError as exc:
                 bad.append(str(exc))
                 continue
@@ -201,9 +291,10 @@ class WeightSync:
         except Exception:
             pass
 
-    def _push_and_verify(self, version: int, force_full: bool) -> tuple[dict[str, Any], str | None]:
+    def _push_and_verify(self, version: int, force_full: bool, refresh: bool, shadow: bool = False
+                         ) -> tuple[dict[str, Any], str | None]:
         try:
-            results = _invoke_all(self.trainers, "push_weights", version, force_full, timeout=self.timeout_s)
+            results = _invoke_all(self.trainers, "push_weights", version, force_full, refresh, timeout=self.timeout_s)
         except WeightSyncError as exc:
             return {}, str(exc)
         except Exception as exc:  # a Ray task error wraps the WeightSyncError raised in the trainer
@@ -212,7 +303,7 @@ class WeightSync:
             _invoke(self.trainers[0], "discard_weights", timeout=self.timeout_s)
             return {}, str(exc)
         result = results[0]
-        bad = self.verify(version, result["checksums"])
+        bad = self.verify(version, result["checksums"], shadow=shadow)
         if bad:
             _invoke(self.trainers[0], "discard_weights", timeout=self.timeout_s)
             return result, "; ".join(bad)

@@ -9,7 +9,10 @@ full tensor into the parameter of that HF name (no checksum to verify then).
 Loading is all or nothing: every name, shape and dtype is checked, every full payload's checksum too,
 and deltas are applied with an undo log and checked; only when everything holds are the full tensors
 written. On any failure the model is left exactly as it was and :class:`raygym.errors.WeightSyncError`
-names the tensors, so the coordinator can trigger a full resync.
+names the tensors, so the coordinator can trigger a full resync. A shadow copy
+(:class:`raygym.weightsync.shadow.ShadowTarget`, double-buffered updates) is written directly instead:
+nothing serves it, a failed update is discarded whole, and the coordinator verifies its checksums
+before it is switched in, so checking them here too would only hash every tensor twice.
 
 ``load_payload_via_model`` (below) is the loader for engines whose parameters are fused and sharded
 (stock SGLang): it keeps a host snapshot of HF-named tensors and hands full tensors to ``model.load_weights``.
@@ -23,8 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from raygym.errors import WeightSyncError
-from raygym.weightsync.codec import apply_delta, apply_delta_undoable, checksum, dtype_from_name
+from raygym.weightsync.codec import apply_delta, apply_delta_undoable, checksum, copy_bytes, dtype_from_name
 from raygym.weightsync.payload import BUCKET_NAME, FULL, MANIFEST_NAME, unpack_bucket
+from raygym.weightsync.shadow import ShadowTarget
 
 
 @dataclass
@@ -43,6 +47,7 @@ class _Transaction:
 
     writes: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (target, new value)
     undo: list[Callable[[], None]] = field(default_factory=list)
+    direct: bool = False  # a shadow copy: write at once, no undo, no checksums (see the module docstring)
 
     def commit(self) -> None:
         for target, value in self.writes:
@@ -61,7 +66,7 @@ def load_payload(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
     """
     targets = named_targets(model)
     report = LoadReport()
-    tx = _Transaction()
+    tx = _Transaction(direct=isinstance(model, ShadowTarget))
     manifests: dict[str, torch.Tensor] = {}
     buckets: dict[str, torch.Tensor] = {}
     try:
@@ -148,19 +153,26 @@ def _stage_bucket(
                 if payload.numel() != target.numel() * target.element_size():
                     raise ValueError(f"{payload.numel()} bytes for {target.numel()} elements of {dtype}")
                 new = payload.view(dtype).reshape(target.shape)
-                tx.writes.append((target, new))
+                if tx.direct:
+                    copy_bytes(target, new)
+                else:
+                    tx.writes.append((target, new))
+            elif tx.direct:
+                apply_delta(payload, target)
             else:
                 tx.undo.append(apply_delta_undoable(payload, target))
                 new = target
         except (ValueError, RuntimeError) as exc:
             raise WeightSyncError(f"weight {entry.name!r}: cannot apply {entry.encoding} payload: {exc}") from exc
+        report.payload_bytes += entry.nbytes
+        report.tensors += 1
+        report.names.append(entry.name)
+        if tx.direct:
+            continue
         got = checksum(new)
         if got != entry.checksum:
             raise WeightSyncError(f"checksum mismatch after applying version {m.version}: {entry.name} "
                                   f"(expected {entry.checksum}, got {got})")
-        report.payload_bytes += entry.nbytes
-        report.tensors += 1
-        report.names.append(entry.name)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -12,6 +12,11 @@ Every update is all or nothing (see :mod:`raygym.weightsync.loader`): names, sha
 checked and tensors staged before anything is written, so a failed update leaves the weights and the
 version label as they were, and says so.
 
+Distributed requests are pipelined (:meth:`WeightReceiver.submit_distributed`): bucket k+1 is received
+into a second scratch buffer while bucket k is loaded, in order. Double-buffered updates
+(``/raygym/shadow_begin`` ... ``/raygym/shadow_switch``, :mod:`raygym.weightsync.shadow`) load into a
+shadow copy while the model keeps serving, and are verified there before the switch.
+
 >>> r = WeightReceiver(model)                                   # doctest: +SKIP
 >>> r.update_weights_from_disk(model_path="/shared/v000003", load_format=LOADER, weight_version="3")  # doctest: +SKIP
 """
@@ -19,9 +24,10 @@ version label as they were, and says so.
 from __future__ import annotations
 
 import contextlib
+import queue
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +39,7 @@ from raygym.rollout import protocol
 from raygym.weightsync import loader
 from raygym.weightsync.codec import dtype_from_name
 from raygym.weightsync.payload import LOADER
+from raygym.weightsync.shadow import ShadowWeights
 from raygym.weightsync.sources import WeightSources
 from raygym.weightsync.tensor_pickle import loads_named_tensors
 from raygym.weightsync.transport_dist import ScratchBuffers, join_group, receive_flattened, receive_tensors
@@ -40,6 +47,7 @@ from raygym.weightsync.transport_dist import ScratchBuffers, join_group, receive
 Loader = Callable[[torch.nn.Module, Iterable[tuple[str, torch.Tensor]]], Any]
 _JOINS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="raygym-join")
 DEFAULT_FORMATS = (None, "", "auto", "safetensors", "default", "direct")
+RECEIVE_DEPTH = 2  # buckets in the engine at once: one being received, one being loaded
 
 
 class WeightRequestError(ValueError):
@@ -115,7 +123,14 @@ class WeightReceiver:
         self.groups: dict[str, JoinedGroup] = {}
         self.session_open = False
         self.last_apply_s = 0.0
-        self._scratch = ScratchBuffers()  # requests are handled one at a time per group
+        self.shadow = ShadowWeights(model)
+        self._shadow_version: str | None = None
+        # Two scratch sets: bucket k+1 is received into one while bucket k is loaded from the other.
+        self._scratch: queue.Queue[ScratchBuffers] = queue.Queue()
+        for _ in range(RECEIVE_DEPTH):
+            self._scratch.put(ScratchBuffers())
+        self._receiving: ThreadPoolExecutor | None = None
+        self._loading: ThreadPoolExecutor | None = None
 
     # ----- loaders -----
     def resolve_loader(self, load_format: str | None) -> Loader:
@@ -166,6 +181,10 @@ class WeightReceiver:
         return _ok(f"Succeeded to destroy custom process group {req.group_name!r}.")
 
     def close(self) -> None:
+        for pool in (self._receiving, self._loading):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._receiving = self._loading = None
         for name, group in list(self.groups.items()):
             destroy_group(group.pg, name)
         self.groups.clear()
@@ -185,9 +204,10 @@ class WeightReceiver:
         return _ok("Success")
 
     # ----- updates -----
-    def receive_distributed(self, req: protocol.UpdateWeightsFromDistributed) -> list[tuple[str, torch.Tensor]]:
-        """Receive one request's tensors (the sender is broadcasting them); raises ValueError on a bad request
-        only after draining the broadcast, so the sender never stalls."""
+    def receive_distributed(self, req: protocol.UpdateWeightsFromDistributed,
+                            scratch: ScratchBuffers | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Receive one request's tensors (the sender is broadcasting them) into ``scratch`` (reused memory,
+        valid until the scratch is used again) or fresh memory. A bad request raises WeightRequestError."""
         group = self.groups.get(req.group_name)
         if group is None:
             raise WeightRequestError(f"group_name={req.group_name!r}: no such group; call /init_weights_update_group first")
@@ -203,19 +223,55 @@ class WeightReceiver:
         specs = list(zip(req.names, dtypes, req.shapes, strict=True))
         device = self.device if group.backend == "nccl" else torch.device("cpu")
         if req.load_format == protocol.FLATTENED_BUCKET:
-            return receive_flattened(group.pg, specs, device, self.timeout_s, self._scratch)
-        return list(receive_tensors(group.pg, specs, device, self.timeout_s, self._scratch))
+            return receive_flattened(group.pg, specs, device, self.timeout_s, scratch)
+        return list(receive_tensors(group.pg, specs, device, self.timeout_s, scratch))
+
+    def submit_distributed(self, **body: Any) -> Future[dict[str, Any]]:
+        """Start one ``/update_weights_from_distributed`` request; its answer arrives in the future.
+
+        Requests are received in submission order on one thread and loaded in the same order on another,
+        so bucket k+1 comes off the wire while bucket k is checked and applied. Submit requests in the order
+        the sender posts them (its k+1 only follows once bucket k is on the wire)."""
+        answer: Future[dict[str, Any]] = Future()
+        try:
+            req = protocol.UpdateWeightsFromDistributed.model_validate(body)
+            fn = copy_by_name if req.load_format == protocol.FLATTENED_BUCKET else self.resolve_loader(req.load_format)
+        except ValueError as exc:
+            answer.set_result(_fail(f"Failed to update weights: {exc}"))
+            return answer
+        if self._receiving is None or self._loading is None:
+            self._receiving = ThreadPoolExecutor(1, thread_name_prefix="raygym-recv")
+            self._loading = ThreadPoolExecutor(1, thread_name_prefix="raygym-load")
+        loading = self._loading
+
+        def load(received: list[tuple[str, torch.Tensor]], scratch: ScratchBuffers) -> None:
+            try:
+                answer.set_result(self.load(received, fn, req.weight_version))
+            except BaseException as exc:  # the answer must come whatever happens
+                answer.set_result(_fail(f"Failed to update weights: {type(exc).__name__}: {exc}"))
+            finally:
+                self._scratch.put(scratch)
+
+        def receive() -> None:
+            scratch = self._scratch.get()  # free once the load two buckets back is done
+            try:
+                received = self.receive_distributed(req, scratch)
+            except WeightRequestError as exc:
+                self._scratch.put(scratch)
+                answer.set_result(_fail(f"Failed to update weights: {exc}"))
+                return
+            except Exception as exc:
+                self._scratch.put(scratch)
+                answer.set_result(_fail(f"Failed to receive weights: {type(exc).__name__}: {exc}"))
+                return
+            loading.submit(load, received, scratch)
+
+        self._receiving.submit(receive)
+        return answer
 
     def update_weights_from_distributed(self, **body: Any) -> dict[str, Any]:
-        req = protocol.UpdateWeightsFromDistributed.model_validate(body)
-        try:
-            fn = copy_by_name if req.load_format == protocol.FLATTENED_BUCKET else self.resolve_loader(req.load_format)
-            received = self.receive_distributed(req)
-        except WeightRequestError as exc:
-            return _fail(f"Failed to update weights: {exc}")
-        except Exception as exc:
-            return _fail(f"Failed to receive weights: {type(exc).__name__}: {exc}")
-        return self.load(received, fn, req.weight_version)
+        """Receive and load one request (waits for the requests submitted before it)."""
+        return self.submit_distributed(**body).result()
 
     def update_weights_from_disk(self, **body: Any) -> dict[str, Any]:
         req = protocol.UpdateWeightsFromDisk.model_validate(body)
@@ -244,25 +300,84 @@ class WeightReceiver:
 
     def load(self, tensors: Iterable[tuple[str, torch.Tensor]], fn: Loader, weight_version: str | None,
              source: str | None = None) -> dict[str, Any]:
-        """Apply ``tensors`` with ``fn`` under the model lock; the version label moves only on success."""
+        """Apply ``tensors`` with ``fn`` under the model lock; the version label moves only on success.
+
+        During a double-buffered update the tensors go to the shadow instead, without the lock (generation
+        never reads the shadow); the label moves at the switch."""
         start = time.perf_counter()
+        shadowed = self.shadow.open
         try:
-            with self.exclusive(), torch.no_grad():
-                fn(self.model, tensors)
+            if shadowed:
+                self.shadow.written()
+                with torch.no_grad():
+                    fn(self.shadow.target(), tensors)
+            else:
+                self.shadow.served_changed()
+                with self.exclusive(), torch.no_grad():
+                    fn(self.model, tensors)
         except Exception as exc:  # a corrupt shard, a checksum or shape mismatch: nothing was applied
             where = f" from {source}" if source else ""
             return _fail(f"Failed to update weights{where}: {type(exc).__name__}: {exc}; the served weights and "
                          f"weight_version {self.weight_version!r} are unchanged", num_paused_requests=0)
         self.last_apply_s = time.perf_counter() - start
         message = "Succeeded to update model weights."
-        if weight_version is not None:
+        if shadowed:
+            self._shadow_version = None if weight_version is None else str(weight_version)
+            message = "Succeeded to load weights into the shadow copy; /raygym/shadow_switch serves them."
+        elif weight_version is not None:
             self.weight_version = str(weight_version)
             message += f" Weight version updated to {self.weight_version}."
         return {"success": True, "message": message, "num_paused_requests": 0, "apply_s": self.last_apply_s}
 
+    # ----- double-buffered updates -----
+    def shadow_begin(self, **body: Any) -> dict[str, Any]:
+        """Send the following updates to the shadow copy (allocated on first use, brought up to the served
+        weights here unless ``full``: every tensor the update sends is rewritten); the model keeps serving.
+        A shadow update already open is abandoned first."""
+        req = protocol.ShadowBegin.model_validate(body)
+        self.shadow.discard()
+        self._shadow_version = None
+        try:
+            catch_up_s = self.shadow.begin(full=req.full)
+        except (RuntimeError, MemoryError) as exc:  # e.g. out of memory for the second copy
+            self.shadow.discard()
+            return _fail(f"Failed to prepare the shadow copy: {type(exc).__name__}: {exc}")
+        return _ok("Shadow copy ready; updates now load into it.", catch_up_s=catch_up_s,
+                   shadow_bytes=self.shadow.nbytes)
+
+    def shadow_switch(self, hold: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+                      **body: Any) -> dict[str, Any]:
+        """Serve the shadow copy: swap it in while ``hold()`` holds the model (raygym's server: between two
+        decode steps) and move the version label; ``switch_s`` is how long the model was held."""
+        req = protocol.ShadowSwitch.model_validate(body)
+        if not self.shadow.open:
+            return _fail("no shadow update is open; call /raygym/shadow_begin and load weights first")
+        version = req.weight_version if req.weight_version is not None else self._shadow_version
+        start = time.perf_counter()
+        with (hold or self.exclusive)():
+            held = time.perf_counter()
+            self.shadow.switch()
+            if version is not None:
+                self.weight_version = str(version)
+            done = time.perf_counter()
+        self._shadow_version = None
+        return _ok(f"Switched to the shadow copy; weight version {self.weight_version}.",
+                   switch_s=done - held, wait_s=held - start, weight_version=self.weight_version)
+
+    def shadow_discard(self, **body: Any) -> dict[str, Any]:
+        """Abandon a shadow update (the served weights never changed)."""
+        self.shadow.discard()
+        self._shadow_version = None
+        return _ok("Shadow update discarded.")
+
     # ----- reads -----
     def weights_checksum(self, **body: Any) -> dict[str, Any]:
         req = protocol.WeightsChecksum.model_validate(body)
+        if req.shadow:  # what the switch would serve; generation never touches the shadow
+            if not self.shadow.open:
+                raise WeightRequestError("shadow=true: no shadow update is open")
+            return {"weight_version": self._shadow_version, "checksums":
+                    loader.model_checksums(self.shadow.target(), req.names)}
         with self.reading():
             return {"weight_version": self.weight_version, "checksums": loader.model_checksums(self.model, req.names)}
 

@@ -7,8 +7,8 @@
         self._wsync = RankWeightSync(self.rank)
         return self._wsync.init(spec)
 
-    def push_weights(self, version: int, force_full: bool = False) -> dict:
-        return self._wsync.push(version, self.backend.iter_hf_weights(), force_full)
+    def push_weights(self, version: int, force_full: bool = False, refresh_snapshot: bool = True) -> dict:
+        return self._wsync.push(version, self.backend.iter_hf_weights(), force_full, refresh_snapshot)
 
     def commit_weights(self, version: int) -> None:
         self._wsync.commit(version)
@@ -39,13 +39,14 @@ import torch
 
 from raygym.config import Recipe
 from raygym.errors import ConfigError, WeightSyncError
-from raygym.rollout.capabilities import capabilities, check_weight_sync
+from raygym.rollout.capabilities import capabilities, check_weight_sync, payload_modes
 from raygym.weightsync.buckets import BucketPlanner
 from raygym.weightsync.codec import (
     ENCODINGS,
     as_uint8,
     changed_positions_np,
     checksum,
+    copy_and_checksum,
     copy_bytes,
     delta_nbytes,
     dtype_from_name,
@@ -58,7 +59,7 @@ from raygym.weightsync.payload import ALIGN, FULL
 from raygym.weightsync.pipeline import BucketPipeline, Lookahead
 from raygym.weightsync.snapshot import WeightSnapshot
 
-MODES = ("full", "delta")
+MODES = ("full", "delta", "auto")
 TRANSPORTS = ("nccl", "disk", "ipc")
 # Bucket cap on CPU gloo. The recipe's 512 MiB suits NCCL on GPUs; on CPU, buckets of 16-64 MiB
 # broadcast as fast as one big buffer (measured here: 0.25-0.33 s vs 0.30-0.42 s for 200 MB to two
@@ -120,7 +121,7 @@ class SenderSpec:
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"update_weight_transport={self.transport!r}: use one of {TRANSPORTS}")
         if self.mode not in MODES:
-            raise ConfigError(f"update_weight_mode={self.mode!r}: use 'full' or 'delta'")
+            raise ConfigError(f"update_weight_mode={self.mode!r}: use 'full', 'delta' or 'auto'")
         if self.encoding not in ENCODINGS:
             raise ConfigError(f"update_weight_encoding={self.encoding!r}: use one of {ENCODINGS}")
         BucketPlanner(self.buffer_size)  # raises ConfigError naming update_weight_buffer_size if invalid
@@ -144,17 +145,27 @@ class SenderSpec:
         return cls(engines=engines, **kwargs)
 
     @property
+    def payload_modes(self) -> tuple[str, ...]:
+        """What the engines can receive over this transport (``auto`` chooses among these)."""
+        return payload_modes(self.engine_kind, transport=self.transport, colocate=self.colocate)
+
+    @property
+    def keeps_snapshot(self) -> bool:
+        """Deltas may be sent (``delta``, or ``auto`` where engines take deltas): keep the CPU snapshot."""
+        return self.mode == "delta" or (self.mode == "auto" and "delta" in self.payload_modes)
+
+    @property
     def hf_tensors(self) -> bool:
         """Buckets carry bare HF-named full tensors back to back (SGLang's flattened_bucket layout) instead
         of raygym's manifest + payload buffer: full syncs to engines that load through the model."""
-        return capabilities(self.engine_kind).dist_format == "flattened_bucket" and self.mode == "full"
+        return capabilities(self.engine_kind).dist_format == "flattened_bucket" and not self.keeps_snapshot
 
     @property
     def disk_route(self) -> str:
         """How engines load a version directory (see :mod:`raygym.weightsync.transport_disk`)."""
         if self.engine_kind == "raygym":
             return "raygym_bucket"
-        return "hf_dir" if self.mode == "full" else "tensor_pointer"
+        return "tensor_pointer" if self.keeps_snapshot else "hf_dir"
 
 
 def drain(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
@@ -174,6 +185,7 @@ class WeightSender:
         self.transport = self._make_transport()
         self._cast = dtype_from_name(spec.cast_dtype) if spec.cast_dtype else None
         self._pending_version: int | None = None
+        self._refresh = False  # the last push updated the snapshot
         self._pipeline = BucketPipeline(self.bucket_bytes(), align=1 if spec.hf_tensors else ALIGN)
 
     def bucket_bytes(self) -> int:
@@ -190,16 +202,21 @@ class WeightSender:
                 "engines": [link.name for link in self.links]}
 
     def push(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-             force_full: bool = False) -> dict[str, Any]:
+             force_full: bool = False, refresh_snapshot: bool = True) -> dict[str, Any]:
         """Send ``version`` to every engine; returns ``{"mode", "metrics", "checksums"}``.
 
         Delta mode sends deltas against the snapshot, except on the first push, after a failed one,
         or when ``force_full``. Changes are staged: call :meth:`commit` after the engines verified.
+        ``refresh_snapshot=False`` (a full push when no delta is expected next, ``auto``): the snapshot is
+        not updated, which saves copying every weight, and it becomes unusable until a full push refreshes it.
         Entries are written straight into reusable bucket buffers, and bucket k+1 is encoded while
         bucket k is on the wire (:class:`~raygym.weightsync.pipeline.BucketPipeline`).
         """
-        delta = self.spec.mode == "delta" and not force_full and self.snapshot.version is not None
+        delta = self.spec.keeps_snapshot and not force_full and self.snapshot.version is not None
         self.snapshot.discard()
+        self._refresh = self.spec.keeps_snapshot and (delta or refresh_snapshot)
+        if not self._refresh:
+            self.snapshot.invalidate()
         if not getattr(self.transport, "connected", True):
             self.transport.connect()
         self.transport.begin(version)
@@ -231,7 +248,7 @@ class WeightSender:
             analyses.close()
         self._pending_version = version
         stats.update(bytes=pipe.sent_bytes, transfer_s=pipe.transfer_s + finish_s, wait_s=pipe.wait_s,
-                     buckets=pipe.buckets, encode_s=encode_s)
+                     buckets=pipe.buckets, encode_s=encode_s, apply_s=max(getattr(self.transport, "apply_s", None) or [0.0]))
         total_s = time.perf_counter() - start
         return {"mode": "delta" if delta else "full", "checksums": checksums,
                 "metrics": self._metrics(stats, total_s, delta)}
@@ -269,20 +286,20 @@ class WeightSender:
         typed = slot.view(torch.uint8 if dtype == torch.bool else dtype)
         flat = tensor.reshape(-1)
         if tensor.dtype == dtype and flat.is_contiguous() and flat.device.type == "cpu":
-            copy_bytes(slot, flat)
+            digest = copy_and_checksum(slot, flat)
         else:  # cast (or move) and pack in one pass, straight into the bucket
             typed.copy_(flat)
-        digest = checksum(slot)
+            digest = checksum(slot)
         pipe.add(item.name, shape, dtype_name(dtype), FULL, full_bytes, digest)
-        if self.spec.mode == "delta":  # the snapshot copies the engine-dtype bytes from the bucket
+        if self._refresh:  # the snapshot copies the engine-dtype bytes from the bucket
             self.snapshot.overwrite(item.name, (typed.view(torch.bool) if dtype == torch.bool else typed).view(shape))
         return _Entry(digest, item.changed, numel, full_bytes)
 
     def commit(self, version: int) -> None:
-        """Every engine verified ``version``: advance the snapshot (delta mode only)."""
+        """Every engine verified ``version``: advance the snapshot (when deltas may be sent)."""
         if self._pending_version != version:
             raise WeightSyncError(f"commit({version}) but the last push was version {self._pending_version}")
-        if self.spec.mode == "delta":
+        if self._refresh:
             self.snapshot.commit(version)
         self._pending_version = None
 
@@ -309,7 +326,7 @@ class WeightSender:
 
             return DiskTransport(self.links, disk_dir=spec.disk_dir, timeout_s=spec.timeout_s,
                                  keep=spec.keep_disk_versions, route=spec.disk_route, tp_sizes=spec.tp_sizes)
-        if spec.transport == "ipc" or (spec.colocate and spec.mode == "full"):
+        if spec.transport == "ipc" or (spec.colocate and not spec.keeps_snapshot):
             from raygym.weightsync.transport_ipc import make_colocated_transport
 
             return make_colocated_transport(self.links, tp_sizes=spec.tp_sizes, master_address=address,
@@ -329,6 +346,7 @@ class WeightSender:
             "sync/encode_s": stats["encode_s"],
             "sync/transfer_s": stats["transfer_s"],
             "sync/wait_s": stats["wait_s"],
+            "sync/apply_s": stats["apply_s"],
             "sync/buckets": float(stats["buckets"]),
             "sync/total_s": total_s,
             "sync/gbps": moved / 1e9 / max(total_s, 1e-9),
@@ -362,11 +380,11 @@ class RankWeightSync:
         self.sender = WeightSender(spec)
         return self.sender.setup()
 
-    def push(self, version: int, weights: Iterable[tuple[str, torch.Tensor]], force_full: bool = False
-             ) -> dict[str, Any]:
+    def push(self, version: int, weights: Iterable[tuple[str, torch.Tensor]], force_full: bool = False,
+             refresh_snapshot: bool = True) -> dict[str, Any]:
         if self.sender is None:
             return drain(weights)
-        return self.sender.push(version, weights, force_full=force_full)
+        return self.sender.push(version, weights, force_full=force_full, refresh_snapshot=refresh_snapshot)
 
     def commit(self, version: int) -> None:
         if self.sender is not None:

@@ -116,6 +116,12 @@ class WeightSnapshot:
             self.version = None
         self._clear_staged()
 
+    def invalidate(self) -> None:
+        """The engines will get weights this snapshot does not follow: unusable (``version`` None) until a
+        push commits it again; its memory is kept for that."""
+        self._clear_staged()
+        self.version = None
+
     def _clear_staged(self) -> None:
         self._sparse.clear()
         self._new.clear()

@@ -44,7 +44,7 @@ FORMATS = ("raygym_bucket", FLATTENED_BUCKET)
 
 def join_group(
     master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str,
-    timeout_s: float,
+    timeout_s: float, store: Any = None,
 ) -> Any:
     """Create (rank 0) or join the weight-update process group; returns the ProcessGroup object.
 
@@ -52,7 +52,8 @@ def join_group(
     by rank 0 at ``master_address:master_port``, its keys namespaced by ``PrefixStore(group_name, ...)``,
     then a process group named ``group_name`` on it. Stock SGLang, raygym's server and this sender all
     meet this way, in either role. The store and the group both get ``timeout_s``; the caller's default
-    process group is neither needed nor touched. IPv6 addresses may come bare or in brackets.
+    process group is neither needed nor touched. IPv6 addresses may come bare or in brackets. Rank 0 may
+    pass the ``store`` it already hosts (:func:`host_store`).
     """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
@@ -62,7 +63,8 @@ def join_group(
     def left() -> datetime.timedelta:
         return datetime.timedelta(seconds=max(0.5, deadline - time.monotonic()))
 
-    store, _, _ = next(dist.rendezvous(tcp_url(master_address, master_port), rank, world_size, timeout=left()))
+    if store is None:
+        store, _, _ = next(dist.rendezvous(tcp_url(master_address, master_port), rank, world_size, timeout=left()))
     store.set_timeout(left())
     store = dist.PrefixStore(group_name, store)
     # torch has no public API for a group outside the default world; SGLang uses this helper too.
@@ -71,6 +73,16 @@ def join_group(
     # SGLang's receivers call torch.distributed.broadcast(src=0, group=pg), which maps ranks through this table.
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def host_store(address: str, world_size: int, timeout_s: float) -> tuple[Any, int]:
+    """Rank 0's rendezvous store listening on a port the OS picks on ``address`` (no race with another
+    process for a port found free a moment before); returns (store, port)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(address.strip("[]"), 0, world_size, is_master=True,
+                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return store, int(store.port)
 
 
 def tcp_url(address: str, port: int) -> str:
@@ -205,6 +217,7 @@ class DistTransport:
         self.backend = backend or default_backend()
         self.timeout_s = float(timeout_s)
         self._unanswered: list[tuple[int, list[Future]]] = []  # (version, futures) of sent buckets
+        self.apply_s = [0.0] * len(self.engines)  # per engine, this push: seconds its loads took (its answers)
         self.group_name = ""
         self._pg: Any = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)), thread_name_prefix="raygym-ws")
@@ -216,9 +229,13 @@ class DistTransport:
     def connect(self) -> None:
         """Ask every engine to join (fixed order), join as rank 0, and name any engine that did not."""
         self.close_group()
-        port = free_port(self.master_address)
         self.group_name = f"raygym_ws_{uuid.uuid4().hex[:8]}"
         world = 1 + sum(self.tp_sizes)
+        try:
+            store, port = host_store(self.master_address, world, self.timeout_s)
+        except Exception as exc:
+            raise WeightSyncError(f"cannot host the weight-update rendezvous on {self.master_address}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
         futures: list[Future] = []
         offset = 1
         for link, tp in zip(self.engines, self.tp_sizes, strict=True):
@@ -228,7 +245,8 @@ class DistTransport:
             futures.append(self._pool.submit(checked, link, "init_weights_update_group", payload, self.timeout_s))
             offset += tp
         try:
-            pg = join_group(self.master_address, port, 0, world, self.group_name, self.backend, self.timeout_s)
+            pg = join_group(self.master_address, port, 0, world, self.group_name, self.backend, self.timeout_s,
+                            store=store)
         except Exception as exc:
             failed = self._failed(futures, grace_s=1.0)
             names = ", ".join(failed) or "unknown (every engine answered; check their logs)"
@@ -245,6 +263,7 @@ class DistTransport:
     def begin(self, version: int) -> None:
         if self._pg is None:
             self.connect()
+        self.apply_s = [0.0] * len(self.engines)
 
     def send_bucket(self, version: int, manifest: torch.Tensor, flat: torch.Tensor) -> None:
         """Post the receive request to every engine, broadcast manifest then buffer.
@@ -298,6 +317,10 @@ class DistTransport:
         if failed:
             self._unanswered.clear()
             raise WeightSyncError(f"version {version}: engine(s) failed to load a bucket: {'; '.join(failed)}")
+        for i, fut in enumerate(futures):
+            answer = fut.result()
+            if isinstance(answer, dict):
+                self.apply_s[i] += float(answer.get("apply_s") or 0.0)
 
     def close_group(self) -> None:
         """Leave the current group (engines are asked to destroy theirs; failures are ignored)."""

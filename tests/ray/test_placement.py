@@ -16,8 +16,8 @@ from ray import cloudpickle as ray_cloudpickle
 
 from raygym.actor_group import ActorGroup, call_all, start_engine_group, start_trainer_group
 from raygym.allocation import GpuAllocation, compute_allocation
-from raygym.errors import RaygymError
 from raygym.cli import render_assignments
+from raygym.errors import RaygymError
 from raygym.layout import BundleRecord
 from raygym.placement import allocate, plan_on_cluster
 

@@ -156,6 +156,7 @@ RAYGYM_DEFAULTS = {
     "placement_timeout": 600.0,
     "rollout_engine_python": "",
     "update_weight_probe_tolerance": 0.1,
+    "update_weight_double_buffer": False,
     # environments, LLM judge, on-policy distillation
     "rollout_env": None,
     "rollout_env_max_turns": 4,

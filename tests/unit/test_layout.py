@@ -10,8 +10,8 @@ import pytest
 
 from raygym.actor_group import build_rank_envs, merge_user_env, shard_evenly
 from raygym.allocation import GpuAllocation, compute_allocation
-from raygym.errors import ConfigError, RaygymError
 from raygym.cli import render_assignments
+from raygym.errors import ConfigError, RaygymError
 from raygym.layout import (
     BundleAssignment,
     GpuSlot,

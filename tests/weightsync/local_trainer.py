@@ -38,8 +38,8 @@ class LocalTrainer:
     def init_weight_sync(self, spec):
         return self.wsync.init(spec)
 
-    def push_weights(self, version: int, force_full: bool = False):
-        return self.wsync.push(version, self.hf_weights(), force_full)
+    def push_weights(self, version: int, force_full: bool = False, refresh_snapshot: bool = True):
+        return self.wsync.push(version, self.hf_weights(), force_full, refresh_snapshot)
 
     def commit_weights(self, version: int) -> None:
         self.wsync.commit(version)
