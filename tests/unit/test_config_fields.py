@@ -127,6 +127,7 @@ READ_BY = {
         "update_weight_buffer_size": "raygym/weightsync/sender.py",
         "update_weight_full_interval": "raygym/weightsync/coordinator.py",
         "update_weight_pause_mode": "raygym/weightsync/coordinator.py",
+        "update_weight_double_buffer": "raygym/weightsync/coordinator.py",
         "update_weight_timeout": "raygym/weightsync/sender.py",
         "update_weight_probe_tolerance": "raygym/weightsync/coordinator.py",
         "custom_rm_function": "raygym/rewards.py",
