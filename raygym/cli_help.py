@@ -15,6 +15,7 @@ from pydantic_core import PydanticUndefined
 from raygym.config import (
     FLAGS,
     RM_TYPES,
+    TASK_RM_TYPES,
     DatasetConfig,
     MetricsConfig,
     ModelConfig,
@@ -26,7 +27,7 @@ from raygym.config import (
 _MODELS: dict[str, type[BaseModel]] = {
     "recipe": Recipe, "model": ModelConfig, "dataset": DatasetConfig, "metrics": MetricsConfig, "run": TrainConfig,
 }
-_EXTRA_CHOICES = {("recipe", "rm_type"): RM_TYPES}
+_EXTRA_CHOICES = {("recipe", "rm_type"): RM_TYPES + TASK_RM_TYPES}
 
 
 def _shown(value: Any) -> str:

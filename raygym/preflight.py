@@ -48,7 +48,7 @@ def check_rewards(cfg: Any, data: DataSummary) -> list[Any]:
     the builtin task's reward on other data, and check that TRL-style functions get every column they
     require."""
     from raygym.builtin import NEXT_DIGIT_TASK
-    from raygym.config import RM_TYPES
+    from raygym.config import RM_TYPES, TASK_RM_TYPES
     from raygym.reward_signatures import missing_inputs
     from raygym.rewards import default_rm_type, resolve_reward_functions, rm_type_choices
 
@@ -63,6 +63,8 @@ def check_rewards(cfg: Any, data: DataSummary) -> list[Any]:
             f"{prompt_data!r} is other data; pass --rm-type with one of {others} "
             "(or --custom-rm-function pkg.module:function)"
         )
+    if (rm_type in TASK_RM_TYPES or (rm_type is None and recipe.rollout_env is not None)) and not custom:
+        return []  # the rollout task scores: the judge engines or the environment's episode reward
     if rm_type is None and not custom:
         raise ConfigError(
             f"prompt_data={prompt_data!r} has no reward: pass --rm-type with one of {rm_type_choices()}, "

@@ -45,7 +45,9 @@ def banner_lines(cfg: Any, facts: Any, *, trainer_backend: str, engine_kind: str
     ]
     for name, summary in facts.eval_data.items():
         lines.append(f"  eval       {name}: {summary.url}, {summary.describe()}, every {recipe.eval_interval} steps")
-    rewards = reward_text(facts.rewards)
+    rewards = reward_text(facts.rewards) or [  # the rollout task scores (rm_type judge or env)
+        f"the judge engines ({recipe.judge_hf_checkpoint})" if recipe.rm_type == "judge"
+        else f"the episode reward of {recipe.rollout_env}"]
     lines.append(f"  reward     {rewards[0]}")
     lines += [f"             + {text}" for text in rewards[1:]]
     per_step = recipe.rollout_batch_size * recipe.n_samples_per_prompt

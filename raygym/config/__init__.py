@@ -20,7 +20,7 @@ from __future__ import annotations
 from raygym.allocation import GpuAllocation
 from raygym.callables import callable_import_path, load_callable
 from raygym.config.base import CustomFunction, MiB, megatron_installed
-from raygym.config.constants import CUSTOM_FUNCTION_FIELDS, RM_TYPES
+from raygym.config.constants import CUSTOM_FUNCTION_FIELDS, RM_TYPES, TASK_RM_TYPES
 from raygym.config.flags import FLAGS, build_arg_parser, format_cli_help
 from raygym.config.loader import load_toml
 from raygym.config.recipe import Recipe
@@ -31,6 +31,7 @@ __all__ = [
     "CUSTOM_FUNCTION_FIELDS",
     "FLAGS",
     "RM_TYPES",
+    "TASK_RM_TYPES",
     "ConfigError",
     "CustomFunction",
     "DatasetConfig",

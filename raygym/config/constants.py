@@ -24,6 +24,8 @@ RECIPE_CHOICES: dict[str, tuple[Any, ...]] = {
 
 # The built-in rewards (``rm_type``); raygym.rewards.BUILTIN_REWARDS holds them under these names.
 RM_TYPES = ("math", "math_verify", "gsm8k", "exact", "next_digit")
+# rm_type values the rollout task scores itself (raygym.rollout.tasks): the judge engine group, the episode's reward.
+TASK_RM_TYPES = ("judge", "env")
 
 # Counts that must be >= 1 (None allowed where the field is optional).
 RECIPE_POSITIVE = (

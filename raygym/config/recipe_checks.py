@@ -24,6 +24,7 @@ from raygym.config.constants import (
     RECIPE_NON_NEGATIVE,
     RECIPE_POSITIVE,
     RM_TYPES,
+    TASK_RM_TYPES,
     UNSUPPORTED_RECIPE_FIELDS,
 )
 from raygym.errors import ConfigError
@@ -54,10 +55,10 @@ def validate_recipe(r: Recipe) -> None:
             raise ConfigError(f"{field}={value!r}: must be a callable or 'pkg.module:function'")
         check_import_path(field, value)
     check_import_path("dynamic_sampling_filter_path", r.dynamic_sampling_filter_path)
-    if r.rm_type is not None and r.rm_type not in RM_TYPES:
+    if r.rm_type is not None and r.rm_type not in RM_TYPES + TASK_RM_TYPES:
         raise ConfigError(
             f"rm_type={r.rm_type!r}: unknown built-in reward; pass --rm-type with one of "
-            f"{', '.join(map(repr, RM_TYPES))}, or --custom-rm-function pkg.module:function"
+            f"{', '.join(map(repr, RM_TYPES + TASK_RM_TYPES))}, or --custom-rm-function pkg.module:function"
         )
     for key, weight in (r.reward_functions or {}).items():
         if key not in RM_TYPES and (not IMPORT_PATH.match(key) or ("." not in key and ":" not in key)):

@@ -59,6 +59,22 @@ def test_no_reward_for_own_data(tmp_path):
         preflight(cfg)
 
 
+def test_rewards_the_rollout_task_gives_pass_preflight_and_show_in_the_banner(tmp_path):
+    from raygym.run_display import banner_lines
+
+    judged = tiny().replace(rm_type="judge", judge_hf_checkpoint="builtin:tiny-qwen3")
+    episodes = tiny().replace(rm_type="env", rollout_env="raygym.envs.calculator:CalculatorEnv")
+    for recipe, shown in ((judged, "the judge engines (builtin:tiny-qwen3)"),
+                          (episodes, "the episode reward of raygym.envs.calculator:CalculatorEnv")):
+        cfg = config(tmp_path, recipe, prompt_data=FIXTURE, input_key="question", label_key="answer")
+        facts = preflight(cfg)
+        assert facts.rewards == []  # scored by the rollout task, not by a reward function
+        lines = banner_lines(cfg, facts, trainer_backend="torch", engine_kind="raygym", logical_gpus=True)
+        assert f"  reward     {shown}" in lines
+    with pytest.raises(ConfigError, match=r"rm_type='judges'.*'judge', 'env'"):
+        tiny().replace(rm_type="judges")
+
+
 def test_unwritable_directories(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"save=.*cannot write there \((NotADirectoryError|FileExistsError)"):
