@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from raygym.algo.batching import contiguous_shard
-from raygym.algo.losses import aggregate, value_loss
+from raygym.algo.losses import Aggregation, aggregate, value_loss
 from raygym.errors import ConfigError
 from raygym.trainer.backend import TrainerSettings, call_hook
 from raygym.trainer.batch import TrainBatch
@@ -199,7 +199,7 @@ class TorchCriticBackend(TorchBackend):
             return pad_stack([r.float() for r in rows], width).to(self.device)
 
         mask = padded(mb.loss_masks)
-        agg = {"per_token": per_token, "num_samples": num_samples, "num_tokens": num_tokens}
+        agg: Aggregation = {"per_token": per_token, "num_samples": num_samples, "num_tokens": num_tokens}
         loss, metrics = value_loss(
             values,
             padded(mb.values),

@@ -85,7 +85,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         self.model: Any = None
         self.ref_model: Any = None
         self.optimizer: Any = None
-        self.schedule: LrSchedule | None = None
+        self.schedule: LrSchedule  # built by init()
         self.shape: ModelShape | None = None
         self.hf_config: dict[str, Any] = {}
         self.facts: dict[str, int] = {}

@@ -97,10 +97,10 @@ class TorchBackend(TrainerBackend):
             )
         self.settings = settings
         self.role = role
-        self.model: torch.nn.Module | None = None
+        self.model: torch.nn.Module  # model, optimizer and schedule: built by init()
         self.ref_model: torch.nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.schedule: LrSchedule | None = None
+        self.optimizer: torch.optim.Optimizer
+        self.schedule: LrSchedule
         self.model_path = ""
         self.frozen: list[str] = []
         self.offloaded = False
