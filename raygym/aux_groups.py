@@ -124,6 +124,7 @@ def aux_manager_kwargs(recipe: Recipe, groups: AuxGroups, run_dir: Path) -> dict
         from raygym.builtin import resolve_model_path
         from raygym.judge import JudgeClient, JudgeSettings
 
+        assert recipe.judge_hf_checkpoint  # the judge engines start only when it is set
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(recipe.judge_hf_checkpoint, run_dir / "cache"))
         out["judge"] = JudgeClient(JudgeSettings.from_recipe(recipe), tokenizer, engines=groups.judge_engines.handles)
     if groups.teacher_actors is not None:

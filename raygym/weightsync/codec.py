@@ -170,7 +170,7 @@ def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor) -> str:
     for start in range(0, out.size, _FUSE_CHUNK):
         part = out[start : start + _FUSE_CHUNK]
         np.copyto(part, into[start : start + _FUSE_CHUNK])
-        state.update(memoryview(part))
+        state.update(memoryview(part))  # type: ignore[arg-type]  # numpy: Buffer on 3.12+ only
     return state.hexdigest()
 
 
@@ -203,7 +203,8 @@ def changed_positions_np(new: torch.Tensor, snapshot: torch.Tensor) -> np.ndarra
 
 def gather_values(new: torch.Tensor, positions: np.ndarray) -> np.ndarray:
     """The raw values (integer view) of ``new`` at flat ``positions``."""
-    return _np_view(new)[positions]
+    values: np.ndarray = _np_view(new)[positions]
+    return values
 
 
 def delta_nbytes(count: int, numel: int, itemsize: int, encoding: str, n_large: int = 0) -> int:
