@@ -12,10 +12,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raygym.allocation import compute_allocation
 from raygym.errors import ConfigError
+
+if TYPE_CHECKING:
+    from raygym.config import Recipe
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,7 @@ def _allocation(total: int, per_engine: int, gpus_per_node: int, what: str) -> A
                               rollout_num_gpus=total, rollout_num_gpus_per_engine=per_engine)
 
 
-def _place(total: int, per_engine: int, recipe: Any, what: str) -> Any:
+def _place(total: int, per_engine: int, recipe: Recipe, what: str) -> Any:
     from raygym.placement import allocate
 
     alloc = _allocation(total, per_engine, recipe.actor_num_gpus_per_node, what)
@@ -66,7 +69,7 @@ class AuxGroups:
         self.placements = []
 
 
-def start_aux_groups(recipe: Any, run_dir: Path, engine_kind: str, say: Any = print) -> AuxGroups:
+def start_aux_groups(recipe: Recipe, run_dir: Path, engine_kind: str, say: Any = print) -> AuxGroups:
     """Start the judge engines and the teacher actors the recipe asks for; on failure, end what started."""
     import ray
 
@@ -112,7 +115,7 @@ def start_aux_groups(recipe: Any, run_dir: Path, engine_kind: str, say: Any = pr
         raise
 
 
-def aux_manager_kwargs(recipe: Any, groups: AuxGroups, run_dir: Path) -> dict[str, Any]:
+def aux_manager_kwargs(recipe: Recipe, groups: AuxGroups, run_dir: Path) -> dict[str, Any]:
     """The rollout manager's ``judge`` / ``teacher`` arguments for the started groups."""
     out: dict[str, Any] = {}
     if groups.judge_engines is not None:
@@ -121,6 +124,7 @@ def aux_manager_kwargs(recipe: Any, groups: AuxGroups, run_dir: Path) -> dict[st
         from raygym.builtin import resolve_model_path
         from raygym.judge import JudgeClient, JudgeSettings
 
+        assert recipe.judge_hf_checkpoint  # the judge engines start only when it is set
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(recipe.judge_hf_checkpoint, run_dir / "cache"))
         out["judge"] = JudgeClient(JudgeSettings.from_recipe(recipe), tokenizer, engines=groups.judge_engines.handles)
     if groups.teacher_actors is not None:

@@ -78,7 +78,7 @@ def build_tiny_model(seed: int = 0, **overrides: Any):
     arch = {**TINY_ARCH, **overrides}
     config = Qwen3Config(
         vocab_size=len(tok), pad_token_id=0, eos_token_id=1, bos_token_id=1, torch_dtype="float32", **arch
-    )
+    )  # type: ignore[call-arg]  # torch_dtype: accepted at runtime (transformers 4.x name), absent from 5.x's signature
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from raygym.errors import ConfigError
 
@@ -50,7 +50,7 @@ def load_callable(value: Callable[..., Any] | str | None, field: str) -> Callabl
         raise ConfigError(
             f"{field}={value!r}: names a {type(obj).__name__}, not a callable; point it at a function"
         )
-    return obj
+    return cast(Callable[..., Any], obj)
 
 
 def callable_import_path(fn: Callable[..., Any] | str, field: str) -> str:

@@ -119,7 +119,9 @@ def capture_rng_state() -> dict[str, Any]:
     """RNG states of torch (CPU and CUDA), python ``random`` and numpy, in a weights_only-loadable form."""
     import numpy as np
 
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy_state = np.random.get_state()
+    assert isinstance(legacy_state, tuple)  # the global generator is always MT19937
+    kind, keys, pos, has_gauss, cached = legacy_state
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
@@ -334,7 +336,9 @@ def _load_file_named_state(model_state: dict[str, torch.Tensor], hf_source: str)
         Path(staging, "config.json").write_bytes(Path(hf_source, "config.json").read_bytes())
         save_file({k: v.contiguous() for k, v in model_state.items()}, str(Path(staging, "model.safetensors")),
                   metadata={"format": "pt"})
-        model, info = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32, output_loading_info=True)
+        # output_loading_info=True returns (model, info); transformers' annotation says the model alone.
+        loaded: Any = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32, output_loading_info=True)
+        model, info = loaded
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise ConfigError(f"export: the checkpoint lacks parameters {missing[:5]}; is it a checkpoint of this model?")

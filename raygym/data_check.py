@@ -166,7 +166,8 @@ def check_prompt_data(
     try:
         if kind == "parquet":
             return _check_parquet(url, where, input_key, label_key)
-        rows, columns, complete = 0, (), True
+        rows, complete = 0, True
+        columns: tuple[str, ...] = ()
         for line_no, row in _jsonl_rows(url, where):
             if limit is not None and rows >= limit:
                 complete = False

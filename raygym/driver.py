@@ -27,12 +27,16 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raygym.errors import ConfigError, RaygymError
 from raygym.loop import Loop
 from raygym.metrics import MetricsLogger, apply_substep_timing, loss_note, plot_reward_curve, summary_table
 from raygym.run_display import StepProgress, banner_lines
+
+if TYPE_CHECKING:
+    from raygym.config import TrainConfig
+    from raygym.preflight import RunFacts
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +102,7 @@ def connect_ray(total_gpus: int, stack: ExitStack | None = None) -> bool:
     return True
 
 
-def _banner(cfg: Any, facts: Any) -> list[str]:
+def _banner(cfg: TrainConfig, facts: RunFacts) -> list[str]:
     """The start-up banner (:func:`raygym.run_display.banner_lines`) with the resolved trainer backend
     and engine kind."""
     import torch
@@ -112,7 +116,7 @@ def _banner(cfg: Any, facts: Any) -> list[str]:
                         logical_gpus=local and not torch.cuda.is_available())
 
 
-def _resolve_reference(cfg: Any, run_dir: Path) -> Any:
+def _resolve_reference(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
     """``ref_load`` (else ``model.ref_checkpoint``) as a local HF model directory, before any Ray resource:
     an unloadable one is a ConfigError, never a silent switch to the policy's weights."""
     from raygym.builtin import resolve_model_path
@@ -148,7 +152,7 @@ def _sigint_deferred(console: Any) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
-def train(cfg: Any) -> TrainResult:
+def train(cfg: TrainConfig) -> TrainResult:
     """Run RL post-training as described by ``cfg`` (a :class:`raygym.TrainConfig`).
 
     Attaches to the Ray of this process, else joins ``RAY_ADDRESS`` (``ray job submit``), else starts

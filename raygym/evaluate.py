@@ -27,10 +27,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raygym.errors import ConfigError
 from raygym.model_source import ModelSource, resolve_model_source
+
+if TYPE_CHECKING:
+    from raygym.allocation import GpuAllocation
+    from raygym.config import Recipe, TrainConfig
 
 EVAL_OPTIONS = ("--prompt-data", "--step", "--out")
 
@@ -39,7 +43,7 @@ EVAL_OPTIONS = ("--prompt-data", "--step", "--out")
 class EvalPlan:
     """Everything an eval needs, resolved before any Ray resource is requested."""
 
-    cfg: Any  # raygym.TrainConfig: the run's config with the flags applied
+    cfg: TrainConfig  # the run's config with the flags applied
     source: ModelSource
     rollout_id: int  # seed scope: the training step whose in-training eval this reproduces
     output_dir: str
@@ -152,7 +156,7 @@ def _default_output_dir(source: ModelSource) -> str:
     return str(Path("runs") / "eval" / f"{leaf}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
 
 
-def engine_allocation(recipe: Any) -> Any:
+def engine_allocation(recipe: Recipe) -> GpuAllocation:
     """A GPU allocation holding only the recipe's rollout engines (same count and GPUs per engine).
 
     >>> from raygym.presets import tiny
@@ -248,7 +252,7 @@ def render_table(table: Sequence[Mapping[str, Any]], title: str) -> Any:
 # ── the run ─────────────────────────────────────────────────────────────────────────────────────
 
 
-async def _manager_eval(cfg: Any, handles: list[Any], model_path: str, rollout_id: int,
+async def _manager_eval(cfg: TrainConfig, handles: list[Any], model_path: str, rollout_id: int,
                         data_cache_dir: str) -> tuple[dict[str, float], dict[str, list[Any]], int, float]:
     from raygym.rollout.manager import RolloutManager
 
@@ -260,7 +264,7 @@ async def _manager_eval(cfg: Any, handles: list[Any], model_path: str, rollout_i
         await manager.close()
 
 
-def _start_engines(cfg: Any, model_path: str, log_dir: str, say: Callable[[str], None]) -> tuple[Any, Any]:
+def _start_engines(cfg: TrainConfig, model_path: str, log_dir: str, say: Callable[[str], None]) -> tuple[Any, Any]:
     import ray
 
     from raygym.actor_group import start_engine_group

@@ -36,7 +36,7 @@ def choose_rollout_engine(name: str) -> str:
     return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "raygym"
 
 
-def preflight_engine(recipe: Any, model_path: str | None = None) -> str:
+def preflight_engine(recipe: Recipe, model_path: str | None = None) -> str:
     """Resolve the engine kind and check, before any Ray resource is taken, that it can run here (and run
     the model at ``model_path``, when given) and receive the configured weight sync; returns the kind.
     ConfigError names what to change."""

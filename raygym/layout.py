@@ -228,7 +228,7 @@ def layout_from_slots(
     n_actor, n_critic, tp = alloc.actor_gpus, alloc.critic_gpus, alloc.rollout_num_gpus_per_engine
 
     def row(
-        role: str, rank: int, slot: GpuSlot, share: float, engine: int | None = None, gpus=()
+        role: str, rank: int, slot: GpuSlot, share: float, engine: int | None = None, gpus: tuple[int, ...] = ()
     ) -> BundleAssignment:
         return BundleAssignment(
             role, rank, slot.node_id, slot.ip, slot.gpu_id, slot.bundle_index, share, engine, gpus

@@ -19,13 +19,17 @@ from raygym.metrics import MetricsLogger, PhaseTimer, apply_substep_timing, prog
 
 
 def _should(interval: int | None, step: int, last_step: int) -> bool:
-    return bool(interval) and ((step + 1) % interval == 0 or step == last_step)
+    if not interval:
+        return False
+    return ((step + 1) % interval == 0 or step == last_step)
 
 
 def _eval_due(interval: int | None, step: int) -> bool:
     """Eval after the sync of every ``eval_interval``-th step (a property of the step, not of the run's
     length, so a resumed run evaluates at the same steps as an uninterrupted one)."""
-    return bool(interval) and (step + 1) % interval == 0
+    if not interval:
+        return False
+    return (step + 1) % interval == 0
 
 
 def _call_log_hook(spec: Any, field_name: str, step: int, samples: Any, row: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -308,7 +308,7 @@ def loss_note(advantage_estimator: str) -> str:
     return f"note: train/loss is ~0 by design in {advantage_estimator} (centred advantages at ratio 1); watch reward"
 
 
-def summary_table(history: list[Mapping[str, Any]], title: str = "raygym run", note: str | None = None):
+def summary_table(history: Sequence[Mapping[str, Any]], title: str = "raygym run", note: str | None = None):
     """A rich Table with first/last/min/max of the main curves (reward, length, loss, critic, eval);
     ``note`` becomes its caption."""
     from rich.table import Table
@@ -329,7 +329,7 @@ def summary_table(history: list[Mapping[str, Any]], title: str = "raygym run", n
     return table
 
 
-def plot_reward_curve(history: list[Mapping[str, Any]], path: str | os.PathLike, title: str | None = None) -> str | None:
+def plot_reward_curve(history: Sequence[Mapping[str, Any]], path: str | os.PathLike, title: str | None = None) -> str | None:
     """Save a PNG of reward (and eval reward) per step (the steps of metrics.jsonl, from 0; integer
     ticks) titled ``title`` (run id and task); returns its path, or None with no data."""
     steps = [r["step"] for r in history if isinstance(r.get("rollout/reward_mean"), (int, float))]

@@ -76,7 +76,7 @@ def _same(a: str, b: str) -> bool:
 
 def is_run_config(config: dict[str, Any] | None) -> bool:
     """True for a raygym run's ``config.json`` (not an HF model's)."""
-    return bool(config) and isinstance(config.get("recipe"), dict) and isinstance(config.get("model"), dict)
+    return config is not None and isinstance(config.get("recipe"), dict) and isinstance(config.get("model"), dict)
 
 
 def _run_around(checkpoint_dir: str) -> tuple[str | None, dict[str, Any] | None]:

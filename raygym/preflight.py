@@ -15,10 +15,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raygym.data_check import DataSummary, check_prompt_data, is_local
 from raygym.errors import ConfigError
+
+if TYPE_CHECKING:
+    from raygym.config import TrainConfig
 
 
 @dataclass
@@ -30,7 +33,7 @@ class RunFacts:
     rewards: list[Any] = field(default_factory=list)  # raygym.rewards.RewardFunction
 
 
-def _check_dataset(url: str, cfg: Any, field_name: str) -> DataSummary:
+def _check_dataset(url: str, cfg: TrainConfig, field_name: str) -> DataSummary:
     from raygym.builtin import NEXT_DIGIT_ROWS, NEXT_DIGIT_TASK, is_builtin
 
     if is_builtin(url):
@@ -43,7 +46,7 @@ def _check_dataset(url: str, cfg: Any, field_name: str) -> DataSummary:
                              apply_chat_template=ds.apply_chat_template, field=field_name)
 
 
-def check_rewards(cfg: Any, data: DataSummary) -> list[Any]:
+def check_rewards(cfg: TrainConfig, data: DataSummary) -> list[Any]:
     """Resolve the run's reward functions (importing custom ones and reading their signatures), refuse
     the builtin task's reward on other data, and check that TRL-style functions get every column they
     require."""
@@ -109,7 +112,7 @@ def check_model_path(hf_checkpoint: str) -> None:
                           "directory, a Hub id or 'builtin:tiny-qwen3'")
 
 
-def preflight(cfg: Any) -> RunFacts:
+def preflight(cfg: TrainConfig) -> RunFacts:
     """Check ``cfg`` (a :class:`raygym.TrainConfig`) as far as possible without Ray: data, eval data,
     rewards, model path, then the run and checkpoint directories (created here, as the run would)."""
     from raygym.data import eval_dataset_urls

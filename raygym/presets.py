@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 from raygym.builtin import TINY_ARCH, TINY_MODEL
 from raygym.config.base import MiB
@@ -134,7 +135,7 @@ def _normalize(name: str) -> str:
     return re.sub(r"[._]", "-", name.strip().lower())
 
 
-class _Registry(dict):
+class _Registry(dict[str, Callable[[], Recipe]]):
     """Preset name -> recipe function; lookups accept "qwen3-4b", "qwen3_4b", "Qwen3-4B", "qwen3-0.6b"."""
 
     def __getitem__(self, name: str) -> Callable[[], Recipe]:
@@ -143,7 +144,9 @@ class _Registry(dict):
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and super().__contains__(_normalize(name))
 
-    def get(self, name: str, default=None):  # type: ignore[override]
+    def get(  # type: ignore[override]  # keys are normalised, so only str keys are looked up
+        self, name: str, default: Callable[[], Recipe] | None = None
+    ) -> Callable[[], Recipe] | None:
         return super().get(_normalize(name), default)
 
 
@@ -165,7 +168,7 @@ PRESET_NAMES = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b",
 assert [_normalize(n) for n in PRESET_NAMES] == list(PRESETS), "PRESET_NAMES lists every preset, in order"
 
 # Per preset: HF id and the architecture numbers raygym checks (layers, hidden, experts, top-k).
-_MODELS: dict[str, dict[str, object]] = {
+_MODELS: dict[str, dict[str, Any]] = {
     "qwen3-0-6b": {"hf_checkpoint": "Qwen/Qwen3-0.6B", "num_layers": 28, "hidden_size": 1024},
     "qwen3-1-7b": {"hf_checkpoint": "Qwen/Qwen3-1.7B", "num_layers": 28, "hidden_size": 2048},
     "qwen3-4b": {"hf_checkpoint": "Qwen/Qwen3-4B", "num_layers": 36, "hidden_size": 2560},

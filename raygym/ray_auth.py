@@ -21,7 +21,7 @@ _MODE, _TOKEN = "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"
 
 def _reload_ray_auth_settings() -> None:
     """Make this process's Ray read the auth variables again (they are cached on first use)."""
-    from ray._raylet import AuthenticationTokenLoader, Config
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]  # absent from ray's stub
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()

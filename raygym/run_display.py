@@ -9,9 +9,13 @@ steps done. Piped output (a log, CI) gets plain lines without colour codes, each
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raygym.metrics import format_duration, progress_line
+
+if TYPE_CHECKING:
+    from raygym.config import TrainConfig
+    from raygym.preflight import RunFacts
 
 
 def _plural(n: int, word: str) -> str:
@@ -30,7 +34,7 @@ def reward_text(functions: list[Any]) -> list[str]:
     return out
 
 
-def banner_lines(cfg: Any, facts: Any, *, trainer_backend: str, engine_kind: str, logical_gpus: bool) -> list[str]:
+def banner_lines(cfg: TrainConfig, facts: RunFacts, *, trainer_backend: str, engine_kind: str, logical_gpus: bool) -> list[str]:
     """The start-up banner: run, model, data (with its row count), reward, algorithm and steps,
     trainer, engines and GPUs. ``facts`` is what :func:`raygym.preflight.preflight` found."""
     recipe = cfg.recipe

@@ -205,6 +205,7 @@ def read_full_sharded(path: str, *, load_optimizer: bool = True) -> tuple[dict[s
     """Every tensor of a sharded checkpoint, whole, in one process (what HF export needs; no process group):
     ``(model state by HF name, optimizer state or None, rank 0's trainer state)``."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     fs, root = fsspec.core.url_to_fs(path)
     url = path if _is_local(fs) else fs.unstrip_protocol(root)
@@ -217,7 +218,7 @@ def read_full_sharded(path: str, *, load_optimizer: bool = True) -> tuple[dict[s
         key_path = tuple(metadata.planner_data[key]) if metadata.planner_data else tuple(key.split(".", 1))
         if key_path[0] not in wanted:
             continue
-        if not hasattr(meta, "size"):
+        if not isinstance(meta, TensorStorageMetadata):
             continue  # a non-tensor entry (optimizer hyperparameters); the trainer sets those itself
         flat[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
         paths[key] = key_path

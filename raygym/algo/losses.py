@@ -20,10 +20,20 @@ A sample with an all-zero mask contributes 0 but still counts in ``num_samples``
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 
 from raygym.algo.kl import kl_penalty
 from raygym.errors import ConfigError
+
+
+class Aggregation(TypedDict):
+    """``aggregate``'s keyword options, passed along as ``**agg`` by the losses built on it."""
+
+    per_token: bool
+    num_samples: int | float | None
+    num_tokens: int | float | None
 
 
 def aggregate(
@@ -41,8 +51,8 @@ def aggregate(
         denom = mask.sum() if num_tokens is None else torch.as_tensor(float(num_tokens), device=values.device)
         return masked.sum() / denom.clamp(min=1.0)
     per_sample = masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)
-    denom = values.shape[0] if num_samples is None else num_samples
-    return per_sample.sum() / max(float(denom), 1.0)
+    sample_count = values.shape[0] if num_samples is None else num_samples
+    return per_sample.sum() / max(float(sample_count), 1.0)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -104,7 +114,7 @@ def policy_loss(
     clipped = -ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high) * advantages
     loss = torch.maximum(unclipped, clipped)
     clipped_flag = (clipped > unclipped).to(log_probs.dtype)
-    agg = {"per_token": per_token, "num_samples": num_samples, "num_tokens": num_tokens}
+    agg: Aggregation = {"per_token": per_token, "num_samples": num_samples, "num_tokens": num_tokens}
     metrics: dict[str, torch.Tensor] = {}
     if eps_clip_c is not None:
         if eps_clip_c <= 1.0:
@@ -151,7 +161,7 @@ def value_loss(
     ``value_clip=None`` gives the plain squared error. Metrics: ``value_clipfrac``.
     """
     err = (values - returns).square()
-    agg = {"per_token": per_token, "num_samples": num_samples, "num_tokens": num_tokens}
+    agg: Aggregation = {"per_token": per_token, "num_samples": num_samples, "num_tokens": num_tokens}
     if value_clip is None:
         return aggregate(0.5 * err, loss_mask, **agg), {}
     clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)

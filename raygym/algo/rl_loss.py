@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from raygym.algo.kl import KL_KINDS
-from raygym.algo.losses import aggregate, kl_loss, policy_loss, tis_weights
+from raygym.algo.losses import Aggregation, aggregate, kl_loss, policy_loss, tis_weights
 from raygym.config.recipe import Recipe
 from raygym.config.views import build_view, recipe_view
 from raygym.errors import ConfigError
@@ -113,7 +113,7 @@ def rl_loss(
     ``loss = pg_loss + kl_loss_coef * kl_loss - entropy_coef * entropy``.
     """
     c = config
-    agg = {"per_token": c.per_token, "num_samples": num_samples, "num_tokens": num_tokens}
+    agg: Aggregation = {"per_token": c.per_token, "num_samples": num_samples, "num_tokens": num_tokens}
     old = log_probs.detach() if old_log_probs is None else old_log_probs
     weights = None
     if c.use_tis:

@@ -8,7 +8,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -92,7 +92,7 @@ class Section(BaseModel):
             raise config_error_from(exc, type(self)) from None
 
     @classmethod
-    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any):  # type: ignore[override]
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> Self:
         try:
             return super().model_validate(obj, *args, **kwargs)
         except ValidationError as exc:
@@ -102,7 +102,7 @@ class Section(BaseModel):
         """Every field's current value, by name (no copies, callables kept)."""
         return {name: getattr(self, name) for name in type(self).model_fields}
 
-    def replace(self, **changes: Any):
+    def replace(self, **changes: Any) -> Self:
         """A validated copy with ``changes`` applied (``model_copy`` would skip validation)."""
         return type(self)(**{**self.field_values(), **changes})
 

@@ -13,7 +13,7 @@ import re
 import secrets
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -166,7 +166,7 @@ class TrainConfig(BaseModel):
             raise config_error_from(exc, type(self)) from None
 
     @classmethod
-    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any):  # type: ignore[override]
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> Self:
         if isinstance(obj, dict) and obj.get("run_id") is None:
             obj = {k: v for k, v in obj.items() if k != "run_id"}
         try:
@@ -213,7 +213,7 @@ class TrainConfig(BaseModel):
                     recipe[field] = callable_import_path(recipe[field], field)
                 except ConfigError:
                     recipe[field] = f"<unimportable {recipe[field]!r}>"
-        return json.loads(
+        json_safe: dict[str, Any] = json.loads(
             json.dumps(
                 {
                     "recipe": recipe,
@@ -225,6 +225,7 @@ class TrainConfig(BaseModel):
                 }
             )
         )
+        return json_safe
 
     def cli_args(self) -> list[str]:
         """Every field as slime-style kebab flags; ``TrainConfig.from_cli_args`` reads them back exactly.

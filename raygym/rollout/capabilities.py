@@ -145,7 +145,7 @@ def payload_modes(kind: str, *, transport: str, colocate: bool) -> tuple[str, ..
     (('full', 'delta'), ('full',))
     """
     caps = capabilities(kind)
-    modes = ("full",) if transport in caps.full_transports else ()
+    modes: tuple[str, ...] = ("full",) if transport in caps.full_transports else ()
     if transport in caps.delta_transports and not colocate:
         modes += ("delta",)
     return modes

@@ -35,13 +35,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from raygym.rollout.kv_cache import _left_pad, _mergeable, new_kv_cache
 from raygym.rollout.protocol import PAUSE_MODES
 from raygym.rollout.sampling import SamplingParams, sample_next_tokens
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["EngineUnavailable", "GenerationEngine", "GenerationRequest", "SamplingParams", "new_kv_cache"]
 
@@ -130,7 +133,7 @@ class GenerationEngine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         *,
         eos_token_ids: Sequence[int] = (),
         tokenizer: Any = None,
@@ -421,7 +424,8 @@ class GenerationEngine:
     def _retract_after_failure(self, rows: list[GenerationRequest], exc: Exception) -> None:
         """Put ``rows`` back at the head of the queue (their tokens so far are kept and re-prefilled, where
         a row that breaks the forward pass is found alone); a row in its second failed step is answered."""
-        again, failed = [], []
+        again: list[GenerationRequest] = []
+        failed: list[GenerationRequest] = []
         for r in rows:
             r._failures += 1
             (failed if r._failures >= 2 else again).append(r)

@@ -14,7 +14,9 @@ _MERGEABLE_LAYERS = ("DynamicLayer", "GrowingKVLayer")
 def _mergeable(cache: Any) -> bool:
     """Only plain full-attention cache layers can be padded and stacked (not sliding/linear ones)."""
     layers = getattr(cache, "layers", None)
-    return bool(layers) and all(
+    if not layers:
+        return False
+    return all(
         type(layer).__name__ in _MERGEABLE_LAYERS and layer.is_initialized for layer in layers
     )
 
@@ -34,16 +36,18 @@ def _growing_layer_class() -> type:
         _buf_v: torch.Tensor | None = None
 
         def _in_buffer(self, add: torch.Tensor) -> bool:
-            buf = self._buf_k
+            buf, keys = self._buf_k, self.keys
+            assert keys is not None  # initialised by the first update
             return (
-                buf is not None and self.keys.numel() > 0 and self.keys.data_ptr() == buf.data_ptr()
-                and self.keys.stride() == buf.stride() and self.keys.shape[:-2] == add.shape[:-2]
-                and self.keys.shape[-2] + add.shape[-2] <= buf.shape[-2]
+                buf is not None and keys.numel() > 0 and keys.data_ptr() == buf.data_ptr()
+                and keys.stride() == buf.stride() and keys.shape[:-2] == add.shape[:-2]
+                and keys.shape[-2] + add.shape[-2] <= buf.shape[-2]
             )
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
+            assert self.keys is not None and self.values is not None
             n = self.keys.shape[-2] if self.keys.numel() else 0
             end = n + key_states.shape[-2]
             if not self._in_buffer(key_states):

@@ -291,8 +291,8 @@ class RolloutManager:
             sample.response_tokens = [int(t) for t in response.get("output_ids") or []]
             sample.rollout_log_probs = []
         text = response.get("text")
-        sample.response_text = text if isinstance(text, str) else self.tokenizer.decode(
-            sample.response_tokens, skip_special_tokens=True)
+        sample.response_text = text if isinstance(text, str) else self.tokenizer.decode(  # type: ignore[assignment]
+            sample.response_tokens, skip_special_tokens=True)  # one sequence decodes to a str
         sample.loss_mask = [1] * len(sample.response_tokens)
         sample.finish_reason = _finish_type(meta)
         sample.status = "truncated" if sample.finish_reason == "length" else "completed"

@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from aiohttp import web
@@ -52,6 +52,9 @@ from raygym.rollout.server_weights import WeightRoutes
 from raygym.weightsync.codec import checksum as tensor_checksum
 from raygym.weightsync.receiver import WeightReceiver
 from raygym.weightsync.sources import WeightSources
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger("raygym.rollout.server")
 
@@ -86,7 +89,7 @@ def resolve_dtype(dtype: str, config_dtype: torch.dtype | None, device: torch.de
     return config_dtype or torch.bfloat16
 
 
-def load_model(model_path: str, device: torch.device, dtype: str) -> tuple[torch.nn.Module, Any, str]:
+def load_model(model_path: str, device: torch.device, dtype: str) -> tuple[PreTrainedModel, Any, str]:
     """Load a HF causal LM and its tokenizer (None when the checkpoint has none).
 
     ``builtin:`` URIs (``raygym.builtin``) are materialised into a temp dir first.
@@ -103,7 +106,7 @@ def load_model(model_path: str, device: torch.device, dtype: str) -> tuple[torch
     if isinstance(config_dtype, str):
         config_dtype = getattr(torch, config_dtype, None)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype, config_dtype, device))
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers' decorator types `to` as unbound
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError):

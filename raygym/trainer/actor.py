@@ -18,6 +18,7 @@ from raygym.trainer.backend import TrainerBackend, TrainerSettings
 
 if TYPE_CHECKING:
     from raygym.config.run import TrainConfig
+    from raygym.trainer.contract import LogProbResult
 
 BACKENDS = ("auto", "torch", "megatron")
 
@@ -60,7 +61,9 @@ class PackedBatch:
 
         from raygym.trainer.batch import TrainBatch
 
-        unpacked = {name: list(torch.split(flat, lengths)) for name, (flat, lengths) in self.columns.items()}
+        unpacked: dict[str, Any] = {
+            name: list(torch.split(flat, lengths)) for name, (flat, lengths) in self.columns.items()
+        }
         return TrainBatch(**self.values, **unpacked)
 
 
@@ -154,36 +157,46 @@ class TrainerActor:
         self.backend = make_backend(self.backend_name, self.settings, self.role)
         return self.backend.init()
 
+    @property
+    def _live(self) -> TrainerBackend:
+        """The backend ``init`` built."""
+        assert self.backend is not None, "TrainerActor.init() builds the backend first"
+        return self.backend
+
     def get_rank(self) -> int:
         return self.backend.rank if self.backend is not None else 0
 
-    def compute_log_probs(self, batch: Any, rollout_id: int = -1) -> dict[str, list]:
+    def compute_log_probs(self, batch: Any, rollout_id: int = -1) -> LogProbResult:
         """``batch``: a ``TrainBatch`` or its :class:`PackedBatch` (what the driver sends)."""
-        return self.backend.compute_log_probs(unpacked(batch), rollout_id)
+        return self._live.compute_log_probs(unpacked(batch), rollout_id)
 
     def train_step(self, batch: Any, rollout_id: int) -> dict[str, float]:
         """``batch``: a ``TrainBatch`` or its :class:`PackedBatch` (what the driver sends)."""
-        return self.backend.train_step(unpacked(batch), rollout_id)
+        return self._live.train_step(unpacked(batch), rollout_id)
 
-    def compute_values(self, batch: Any, rollout_id: int = -1) -> dict[str, list]:
+    def compute_values(self, batch: Any, rollout_id: int = -1) -> LogProbResult:
         """Critic only: ``{"values": [one 1-D float32 tensor per sample, one value per response token]}``
         for the whole batch (every rank returns all of it), ready for ``batch.with_log_probs(...)``."""
         if self.role != "critic":
             raise ConfigError(
                 f"compute_values: this trainer has role={self.role!r}; values come from TrainerActor(role='critic')"
             )
-        return self.backend.compute_values(unpacked(batch), rollout_id)
+        from raygym.trainer.critic import TorchCriticBackend
+
+        critic = self._live
+        assert isinstance(critic, TorchCriticBackend)
+        return critic.compute_values(unpacked(batch), rollout_id)
 
     def _role_dir(self, base: str) -> str:
         """The critic keeps its checkpoints in ``<base>/critic`` so they never mix with the policy's."""
         return base.rstrip("/") + "/critic" if self.role == "critic" else base
 
     def offload(self) -> None:
-        self.backend.offload()
+        self._live.offload()
         self._offloaded = True
 
     def onload(self) -> None:
-        self.backend.onload()
+        self._live.onload()
         self._offloaded = False
 
     def save_checkpoint(
@@ -196,7 +209,7 @@ class TrainerActor:
         target = save_dir or self.settings.save
         if not target:
             raise ConfigError("save='': no checkpoint directory; set save to a path or fsspec URL")
-        backend = self.backend
+        backend = self._live
         state = backend.checkpoint_state(include_optimizer=not self.settings.no_save_optim)
         return save_sharded(self._role_dir(target), rollout_id, state, rank=backend.rank,
                             world_size=backend.world_size, extra=extra, hf_source=backend.model_path)
@@ -237,7 +250,7 @@ class TrainerActor:
         from raygym.checkpoint import load_checkpoint
         from raygym.sharded_checkpoint import FORMAT_SHARDED, checkpoint_format, fill_from_full, load_sharded
 
-        backend = self.backend
+        backend = self._live
         template = backend.checkpoint_state(include_optimizer=load_optimizer)
         if checkpoint_format(path) == FORMAT_SHARDED:
             state = load_sharded(path, template, rank=backend.rank, world_size=backend.world_size,
@@ -260,7 +273,7 @@ class TrainerActor:
 
     def export_hf(self, path: str) -> str:
         """Write the current weights as an HF model directory (safetensors + config + tokenizer)."""
-        return self.backend.save_hf(path)
+        return self._live.save_hf(path)
 
     # ---- weight sync (driven by raygym.weightsync.coordinator.WeightSync; every rank takes part) ----
     def init_weight_sync(self, spec: Any) -> dict[str, Any]:
@@ -270,7 +283,7 @@ class TrainerActor:
         return self._wsync.init(spec)
 
     def push_weights(self, version: int, force_full: bool = False, refresh_snapshot: bool = True) -> dict[str, Any]:
-        return self._wsync.push(version, self.backend.iter_hf_weights(), force_full, refresh_snapshot)
+        return self._wsync.push(version, self._live.iter_hf_weights(), force_full, refresh_snapshot)
 
     def commit_weights(self, version: int) -> None:
         self._wsync.commit(version)
@@ -299,7 +312,7 @@ class TrainerActor:
         if offloaded:
             self.onload()
         try:
-            result = self.backend.compute_log_probs(TrainBatch.from_samples(samples, group_size=1))
+            result = self._live.compute_log_probs(TrainBatch.from_samples(samples, group_size=1))
         finally:
             if offloaded:
                 self.offload()

@@ -49,7 +49,7 @@ from raygym.config.base import CustomFunction
 from raygym.config.recipe import Recipe
 from raygym.config.views import build_view, recipe_view
 from raygym.errors import ConfigError
-from raygym.trainer.contract import CheckpointState, LogProbResult, TrainMetrics
+from raygym.trainer.contract import CheckpointState, LogProbResult
 
 if TYPE_CHECKING:
     from raygym.config.run import TrainConfig
@@ -247,7 +247,7 @@ class TrainerBackend(ABC):
     def compute_log_probs(self, batch: Any, rollout_id: int = -1) -> LogProbResult: ...
 
     @abstractmethod
-    def train_step(self, batch: Any, rollout_id: int) -> TrainMetrics: ...
+    def train_step(self, batch: Any, rollout_id: int) -> dict[str, float]: ...
 
     @abstractmethod
     def iter_hf_weights(self, dtype: Any = None) -> Iterator[tuple[str, Any]]: ...

@@ -14,8 +14,9 @@ tensors ``advantages``, ``rollout_log_probs``, ``old_log_probs``, ``ref_log_prob
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 
@@ -96,7 +97,7 @@ class TrainBatch:
     def select(self, indices: Sequence[int]) -> TrainBatch:
         """A new batch with the samples at ``indices`` in that order (tensors shared, not copied)."""
         idx = list(indices)
-        changes = {}
+        changes: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, list):
@@ -113,9 +114,9 @@ class TrainBatch:
         """Rank ``rank``'s share of the batch (``balance`` = the ``balance_data`` field)."""
         return self.select(self.shard_indices(rank, world, balance))
 
-    def with_log_probs(self, result: dict[str, list[torch.Tensor]]) -> TrainBatch:
+    def with_log_probs(self, result: Mapping[str, list[torch.Tensor]]) -> TrainBatch:
         """Copy with ``old_log_probs`` / ``ref_log_probs`` / ``values`` from ``compute_log_probs``'s result."""
-        changes = {}
+        changes: dict[str, Any] = {}
         for key, name in (
             ("log_probs", "old_log_probs"),
             ("ref_log_probs", "ref_log_probs"),

@@ -31,7 +31,7 @@ class LogProbResult(Mapping[str, list[torch.Tensor]]):
     log_probs: list[torch.Tensor] | None = None
     ref_log_probs: list[torch.Tensor] | None = None
     entropy: list[torch.Tensor] | None = None
-    values: list[torch.Tensor] | None = None
+    values: list[torch.Tensor] | None = None  # type: ignore[assignment]  # a field, shadowing Mapping.values()
 
     def _present(self) -> list[str]:
         return [f.name for f in fields(self) if getattr(self, f.name) is not None]

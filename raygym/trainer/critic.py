@@ -22,18 +22,21 @@ the model, the forward output and the loss:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from raygym.algo.batching import contiguous_shard
-from raygym.algo.losses import aggregate, value_loss
+from raygym.algo.losses import Aggregation, aggregate, value_loss
 from raygym.errors import ConfigError
 from raygym.trainer.backend import TrainerSettings, call_hook
 from raygym.trainer.batch import TrainBatch
 from raygym.trainer.contract import LogProbResult
 from raygym.trainer.torch_backend import TorchBackend, enable_activation_checkpointing, pad_stack
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 VALUE_HEAD_PREFIX = "value_head."
 CRITIC_METRICS = ("value_loss", "value_clipfrac", "value_mean")
@@ -46,9 +49,9 @@ class ValueModel(nn.Module):
     >>> # model(input_ids=torch.tensor([[3, 4, 5]])).shape == (1, 3)
     """
 
-    def __init__(self, body: nn.Module) -> None:
+    def __init__(self, body: PreTrainedModel) -> None:
         super().__init__()
-        self.model = body
+        self.model: PreTrainedModel = body
         self.config = body.config
         self.value_head = nn.Linear(body.config.hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)
@@ -76,7 +79,7 @@ def saved_value_head(path: str) -> dict[str, torch.Tensor]:
     return head
 
 
-def load_value_model(path: str, device: torch.device, config: Any = None) -> ValueModel:
+def load_value_model(path: str, device: torch.device, config: PretrainedConfig | None = None) -> ValueModel:
     """A ``ValueModel`` from a local HF directory: a causal-LM checkpoint (fresh zero head) or a critic
     written by ``write_value_model`` (its trained head is restored). ``config``: the HF config to build
     the body with (default: the checkpoint's own)."""
@@ -146,7 +149,7 @@ class TorchCriticBackend(TorchBackend):
         return s.critic_lr if s.critic_lr is not None else s.lr
 
     def _enable_recompute(self) -> None:
-        enable_activation_checkpointing(self.model.model)
+        enable_activation_checkpointing(cast(ValueModel, self.model).model)
 
     def _forward(
         self, model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor | None = None
@@ -198,8 +201,9 @@ class TorchCriticBackend(TorchBackend):
         def padded(rows: list[torch.Tensor]) -> torch.Tensor:
             return pad_stack([r.float() for r in rows], width).to(self.device)
 
+        assert mb.values is not None and mb.returns is not None  # _prepare_train_batch filled them
         mask = padded(mb.loss_masks)
-        agg = {"per_token": per_token, "num_samples": num_samples, "num_tokens": num_tokens}
+        agg: Aggregation = {"per_token": per_token, "num_samples": num_samples, "num_tokens": num_tokens}
         loss, metrics = value_loss(
             values,
             padded(mb.values),
@@ -222,6 +226,7 @@ class TorchCriticBackend(TorchBackend):
 
     def _role_metrics(self, batch: TrainBatch) -> dict[str, float]:
         """Mean return over the trained tokens of the whole batch (what the values chase)."""
+        assert batch.returns is not None
         trained = [r.float()[m > 0] for r, m in zip(batch.returns, batch.loss_masks, strict=True)]
         flat = torch.cat(trained) if trained else torch.zeros(0)
         return {"critic/returns_mean": float(flat.mean())} if flat.numel() else {}

@@ -85,7 +85,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         self.model: Any = None
         self.ref_model: Any = None
         self.optimizer: Any = None
-        self.schedule: LrSchedule | None = None
+        self.schedule: LrSchedule  # built by init()
         self.shape: ModelShape | None = None
         self.hf_config: dict[str, Any] = {}
         self.facts: dict[str, int] = {}
@@ -401,7 +401,9 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
 
         log_probs = pad_sequence(lps, batch_first=True)
         entropy = pad_sequence(ents, batch_first=True)
-        return rl_loss(log_probs, padded(batch.old_log_probs), padded(batch.advantages), padded(batch.loss_masks),
+        advantages, loss_mask = padded(batch.advantages), padded(batch.loss_masks)
+        assert advantages is not None and loss_mask is not None  # check_policy_batch ran in train_step
+        return rl_loss(log_probs, padded(batch.old_log_probs), advantages, loss_mask,
                        entropy=entropy, config=cfg, ref_log_probs=padded(batch.ref_log_probs),
                        rollout_log_probs=padded(batch.rollout_log_probs), num_samples=num_samples,
                        num_tokens=num_tokens)
@@ -460,6 +462,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         clip = self.settings.clip_grad
         if clip and clip > 0 and norm > clip:
             for p in params:
+                assert p.grad is not None
                 p.grad.mul_(clip / (norm + 1e-6))
         self.optimizer.step()
         return norm

@@ -65,7 +65,7 @@ def enable_cpu_mode() -> None:
     def set_tracker_state(new_state: torch.Tensor, device: object = -1, graph_safe: bool = False) -> None:
         generator.set_state(new_state)
 
-    torch.cuda.current_device = current_device
+    torch.cuda.current_device = current_device  # type: ignore[assignment]  # "cpu" where torch says int
     torch.cuda.get_rng_state = get_rng_state
     torch.cuda.manual_seed = manual_seed
     megatron_random._get_cuda_rng_state = get_tracker_state

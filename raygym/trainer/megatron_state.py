@@ -114,8 +114,8 @@ def megatron_checkpoint_state(
                 for hf_name, block in _blocks(lp, value, shape).items():
                     optim_state.setdefault(hf_name, {})[key] = block
             else:  # a scalar such as Adam's step: the same value for every HF tensor of the parameter
-                for block in hf_blocks(lp.pm, master.shape, shape, tp_rank=lp.tp_rank, tp_size=lp.tp_size):
-                    optim_state.setdefault(block.hf_name, {})[key] = value.detach().clone()
+                for hf_block in hf_blocks(lp.pm, master.shape, shape, tp_rank=lp.tp_rank, tp_size=lp.tp_size):
+                    optim_state.setdefault(hf_block.hf_name, {})[key] = value.detach().clone()
     return model, ({"state": optim_state} if include_optimizer else None)
 
 

@@ -50,7 +50,9 @@ class TensorShard(torch.Tensor):
         return f"TensorShard(local={tuple(self.local.shape)}, offsets={tuple(self.offsets)}, global={tuple(self.shape)})"
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]  # torch declares a plain function; subclasses use a classmethod
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         if func is torch.ops.aten.detach.default:
             return args[0]
         raise NotImplementedError(f"TensorShard is a checkpoint container; {func} is not supported on it")

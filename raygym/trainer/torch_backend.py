@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -62,8 +62,12 @@ from raygym.trainer.decisions import (
 )
 from raygym.trainer.optim import LrSchedule, build_optimizer, split_frozen
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PretrainedConfig, PreTrainedModel
 
-def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     """Recompute every decoder layer's activations in backward (transformers 5 name, 4.x fallback)."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
@@ -97,10 +101,10 @@ class TorchBackend(TrainerBackend):
             )
         self.settings = settings
         self.role = role
-        self.model: torch.nn.Module | None = None
+        self.model: torch.nn.Module  # model, optimizer and schedule: built by init()
         self.ref_model: torch.nn.Module | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        self.schedule: LrSchedule | None = None
+        self.optimizer: torch.optim.Optimizer
+        self.schedule: LrSchedule
         self.model_path = ""
         self.frozen: list[str] = []
         self.offloaded = False
@@ -137,7 +141,7 @@ class TorchBackend(TrainerBackend):
         torch.manual_seed(s.seed)
         self.model_path = resolve_model_path(s.hf_checkpoint)
         self.model = self._build_model(self.model_path)
-        check_declared_architecture(s, self.model.config.to_dict())
+        check_declared_architecture(s, cast("PretrainedConfig", self.model.config).to_dict())
         _, self.frozen = split_frozen(self.model.named_parameters(), s.freeze_params_name_list)
         if s.torch_activation_checkpointing:
             self._enable_recompute()
@@ -202,7 +206,7 @@ class TorchBackend(TrainerBackend):
         return self.settings.lr
 
     def _enable_recompute(self) -> None:
-        enable_activation_checkpointing(self.model)
+        enable_activation_checkpointing(cast("PreTrainedModel", self.model))
 
     def _load_model(self, path: str, trainable: bool) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -210,7 +214,7 @@ class TorchBackend(TrainerBackend):
         model = AutoModelForCausalLM.from_pretrained(path, config=self._hf_config(path), dtype=torch.float32,
                                                      attn_implementation="sdpa")
         model.config.use_cache = False
-        model.to(self.device)
+        model.to(self.device)  # type: ignore[arg-type]  # transformers' decorator types `to` as unbound
         if not trainable:
             model.eval()
             model.requires_grad_(False)
@@ -398,6 +402,7 @@ class TorchBackend(TrainerBackend):
 
     def _role_metrics(self, batch: TrainBatch) -> dict[str, float]:
         """Metrics of the whole batch beside the loss's: the advantage statistics over trained tokens."""
+        assert batch.advantages is not None  # check_policy_batch ran in _prepare_train_batch
         return advantage_stats(batch.advantages, batch.loss_masks)
 
     def _optimizer_step(self, step_batch: TrainBatch) -> tuple[dict[str, float], float, float]:
@@ -417,7 +422,7 @@ class TorchBackend(TrainerBackend):
         for k in range(n_micro):
             last = k == n_micro - 1
             if self.world_size > 1:
-                self.model.set_requires_gradient_sync(last)
+                cast("FSDPModule", self.model).set_requires_gradient_sync(last)
             if k >= len(plan):
                 self._dummy_pass(self.model, backward=True)
                 continue
@@ -441,17 +446,21 @@ class TorchBackend(TrainerBackend):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.loss_config
         logp, entropy = self._response_log_probs(self.model, mb, with_entropy=True)
+        assert entropy is not None and mb.advantages is not None
         if not cfg.entropy_needs_grad:
             entropy = entropy.detach()
         width = logp.shape[1]
 
+        def pad(rows: list[torch.Tensor]) -> torch.Tensor:
+            return pad_stack([r.float() for r in rows], width).to(self.device)
+
         def padded(rows: list[torch.Tensor] | None) -> torch.Tensor | None:
-            return None if rows is None else pad_stack([r.float() for r in rows], width).to(self.device)
+            return None if rows is None else pad(rows)
 
         if mb.old_log_probs is None and mb.rollout_log_probs is not None:  # single pass: old = detached logp
-            self._mismatch.add(padded(mb.rollout_log_probs), logp.detach(), padded(mb.loss_masks))
+            self._mismatch.add(pad(mb.rollout_log_probs), logp.detach(), pad(mb.loss_masks))
         return rl_loss(
-            logp, padded(mb.old_log_probs), padded(mb.advantages), padded(mb.loss_masks), entropy=entropy,
+            logp, padded(mb.old_log_probs), pad(mb.advantages), pad(mb.loss_masks), entropy=entropy,
             config=cfg, ref_log_probs=padded(mb.ref_log_probs), rollout_log_probs=padded(mb.rollout_log_probs),
             num_samples=num_samples, num_tokens=num_tokens,
         )
@@ -461,7 +470,7 @@ class TorchBackend(TrainerBackend):
         if self.settings.clip_grad > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, self.settings.clip_grad)
         else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         return float(norm)
@@ -542,7 +551,7 @@ class TorchBackend(TrainerBackend):
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         if self.rank == 0:
-            self._write_hf(state, out_dir)
+            self._write_hf(cast("dict[str, torch.Tensor]", state), out_dir)
         if self.world_size > 1:
             dist.barrier()
         return out_dir

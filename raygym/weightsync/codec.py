@@ -143,7 +143,7 @@ def checksum(tensor: torch.Tensor) -> str:
     raw = tensor_bytes(tensor)
     if raw.numel() == 0:
         return xxhash.xxh3_64_hexdigest(b"")
-    return xxhash.xxh3_64_hexdigest(memoryview(raw.numpy()))
+    return xxhash.xxh3_64_hexdigest(memoryview(raw.numpy()))  # type: ignore[arg-type]  # numpy: Buffer on 3.12+ only
 
 
 _FUSE_CHUNK = 1 << 20  # bytes: a chunk is hashed right after it is copied, while it is still in cache
@@ -170,7 +170,7 @@ def copy_and_checksum(dst: torch.Tensor, src: torch.Tensor) -> str:
     for start in range(0, out.size, _FUSE_CHUNK):
         part = out[start : start + _FUSE_CHUNK]
         np.copyto(part, into[start : start + _FUSE_CHUNK])
-        state.update(memoryview(part))
+        state.update(memoryview(part))  # type: ignore[arg-type]  # numpy: Buffer on 3.12+ only
     return state.hexdigest()
 
 
@@ -190,7 +190,7 @@ def changed_positions_np(new: torch.Tensor, snapshot: torch.Tensor) -> np.ndarra
     if a.size <= _SCAN_CHUNK:
         return np.flatnonzero(a != b)
     mask = np.empty(_SCAN_CHUNK, dtype=bool)
-    found = []
+    found: list[np.ndarray] = []
     for start in range(0, a.size, _SCAN_CHUNK):
         stop = min(start + _SCAN_CHUNK, a.size)
         part = mask[: stop - start]
@@ -203,7 +203,8 @@ def changed_positions_np(new: torch.Tensor, snapshot: torch.Tensor) -> np.ndarra
 
 def gather_values(new: torch.Tensor, positions: np.ndarray) -> np.ndarray:
     """The raw values (integer view) of ``new`` at flat ``positions``."""
-    return _np_view(new)[positions]
+    values: np.ndarray = _np_view(new)[positions]
+    return values
 
 
 def delta_nbytes(count: int, numel: int, itemsize: int, encoding: str, n_large: int = 0) -> int:
@@ -241,7 +242,7 @@ def encode_positions(positions: np.ndarray, values: np.ndarray, numel: int, dtyp
     header = _HEADER.pack(
         _MAGIC, _ENCODING_IDS[encoding], _DTYPE_IDS[dtype], pos_width, numel, int(positions.size), n_large
     )
-    packed = _concat_aligned(body)
+    packed: bytes | bytearray = _concat_aligned(body)
     if encoding == "deltas_zstd":
         import zstandard
 
@@ -346,7 +347,7 @@ def _concat_aligned(parts: list[np.ndarray]) -> bytearray:
     out = bytearray(sum(n + (-n % 8) for n in sizes))
     offset = 0
     for part, n in zip(parts, sizes, strict=True):
-        out[offset : offset + n] = memoryview(np.ascontiguousarray(part)).cast("B")
+        out[offset : offset + n] = memoryview(np.ascontiguousarray(part)).cast("B")  # type: ignore[arg-type]  # numpy: Buffer on 3.12+ only
         offset += n + (-n % 8)
     return out
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -235,7 +236,13 @@ class HostSnapshot:
 _HOST_SNAPSHOT = HostSnapshot()  # one per engine process (each TP rank has its own)
 
 
-def load_payload_via_model(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+class WeightLoadingModel(Protocol):
+    """An engine's model that takes HF-named tensors and fuses and shards them itself (SGLang's models)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object: ...
+
+
+def load_payload_via_model(model: WeightLoadingModel, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """SGLang custom weight loader for delta payloads: read the version directory a pointer names,
     rebuild full HF-named tensors from this process's host snapshot, hand them to ``model.load_weights``
     (the model fuses and shards them itself), then write an acknowledgement with their checksums.
@@ -250,7 +257,7 @@ def load_payload_via_model(model: torch.nn.Module, named_tensors: Iterable[tuple
     from raygym.weightsync.tensor_pickle import POINTER_NAME
     from raygym.weightsync.transport_disk import ack_file, read_version_dir
 
-    pointer: dict[str, object] = {}
+    pointer: dict[str, Any] = {}
     ack: dict[str, object]
     try:
         items = list(named_tensors)

@@ -64,7 +64,7 @@ class ProbeResult:
 
 def compare_logprobs(engine: list[list[float]], trainer: list[list[float]], tolerance: float) -> ProbeResult:
     """Mean and max absolute difference over every token; ``ok`` when the mean is within ``tolerance``."""
-    diffs = []
+    diffs: list[float] = []
     for e_row, t_row in zip(engine, trainer, strict=True):
         if len(e_row) != len(t_row):
             raise ValueError(f"probe: {len(e_row)} engine log-probs vs {len(t_row)} from the trainer")

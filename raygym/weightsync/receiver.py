@@ -163,7 +163,11 @@ class WeightReceiver:
         try:
             pg = joining.result(timeout=self.timeout_s)
         except FutureTimeout:
-            joining.add_done_callback(lambda f: f.exception() is None and destroy_group(f.result(), req.group_name))
+            def leave_late_join(f: Future[Any]) -> None:
+                if f.exception() is None:
+                    destroy_group(f.result(), req.group_name)
+
+            joining.add_done_callback(leave_late_join)
             return _fail(f"Failed to init group {req.group_name!r}: not formed within {self.timeout_s} s "
                          f"(master {req.master_address}:{req.master_port}, world_size {req.world_size})")
         except Exception as exc:

@@ -220,7 +220,7 @@ class WeightSender:
         if not getattr(self.transport, "connected", True):
             self.transport.connect()
         self.transport.begin(version)
-        stats = {"changed": 0, "numel": 0, "raw_bytes": 0}
+        stats: dict[str, float] = {"changed": 0, "numel": 0, "raw_bytes": 0}
         checksums: dict[str, str] = {}
         pipe = self._pipeline
         start = time.perf_counter()

@@ -153,10 +153,11 @@ class SyncCostModel:
         if unmeasured:
             return ModeChoice(unmeasured[0], "explore", full, delta)
         assert full is not None and delta is not None
+        costs = {"full": full, "delta": delta}
         best, other = ("delta", "full") if delta < full else ("full", "delta")
         reason = "cheaper"
         incumbent = self._incumbent
-        if incumbent == other and predicted[best] > (1 - self.switch_margin) * predicted[incumbent]:
+        if incumbent == other and costs[best] > (1 - self.switch_margin) * costs[incumbent]:
             best, other, reason = other, best, "kept"  # not clearly cheaper: stay
         loss = abs(full - delta)
         warming = self._seen[other] == 1 and min(full, delta) * self.warmup_factor >= max(full, delta)

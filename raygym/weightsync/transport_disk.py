@@ -87,7 +87,7 @@ def write_shard(fs: Any, path: str, tensors: dict[str, torch.Tensor]) -> int:
         f.write(raw)
         for t in tensors.values():
             if t.numel():
-                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]  # numpy: Buffer on 3.12+ only
     fs.mv(tmp, path)
     return 8 + len(raw) + offset
 

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -68,7 +68,8 @@ def join_group(
     store.set_timeout(left())
     store = dist.PrefixStore(group_name, store)
     # torch has no public API for a group outside the default world; SGLang uses this helper too.
-    pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name,
+    pg, _ = c10d._new_process_group_helper(world_size, rank, [], backend, store,
+                                           group_name=cast("c10d.GroupName", group_name),
                                            timeout=datetime.timedelta(seconds=timeout_s))
     # SGLang's receivers call torch.distributed.broadcast(src=0, group=pg), which maps ranks through this table.
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
