@@ -10,9 +10,11 @@ Every probe also forbids the optional engines and launchers (transformers only i
 
 from __future__ import annotations
 
+import os
 import pkgutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -72,25 +74,39 @@ PROBES: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
-def loaded_after(code: str, watched: tuple[str, ...]) -> list[str]:
-    """Runs `code` in a fresh interpreter; returns the watched top-level packages it left in sys.modules."""
-    probe = (
+def probe_code(code: str, watched: tuple[str, ...]) -> str:
+    return (
         f"{code}\nimport sys\n"
         f"print('LOADED:', *sorted({{m.split('.')[0] for m in sys.modules}} & set({watched!r})))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=180, cwd=REPO
-    )
+
+
+def loaded_from(done: subprocess.CompletedProcess) -> list[str]:
+    """The watched top-level packages a finished probe reported in its sys.modules."""
     assert done.returncode == 0, done.stderr[-4000:]
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("LOADED:"), done.stdout
     return last.split()[1:]
 
 
+def run_probe(code: str, watched: tuple[str, ...]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", probe_code(code, watched)], capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+
+
+@pytest.fixture(scope="module")
+def probe_results() -> dict[str, subprocess.CompletedProcess]:
+    """Every probe, each in its own fresh interpreter, run a few at a time (the imports are CPU-bound)."""
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        futures = {name: pool.submit(run_probe, code, forbidden) for name, (code, forbidden) in PROBES.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
 @pytest.mark.parametrize("name", sorted(PROBES))
-def test_import_loads_no_forbidden_library(name: str) -> None:
-    code, forbidden = PROBES[name]
-    assert loaded_after(code, forbidden) == [], f"{name} must not load {forbidden}"
+def test_import_loads_no_forbidden_library(name: str, probe_results) -> None:
+    forbidden = PROBES[name][1]
+    assert loaded_from(probe_results[name]) == [], f"{name} must not load {forbidden}"
 
 
 def test_every_algo_module_has_a_declared_tier() -> None:
@@ -98,4 +114,4 @@ def test_every_algo_module_has_a_declared_tier() -> None:
 
 
 def test_the_probe_sees_a_module_level_import() -> None:
-    assert loaded_after("import json, ray", NO_TORCH_NO_RAY) == ["ray"]
+    assert loaded_from(run_probe("import json, ray", NO_TORCH_NO_RAY)) == ["ray"]
