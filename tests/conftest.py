@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,42 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Short path: Ray's unix sockets must stay under the OS path limit.
 _RAY_TMP = tempfile.mkdtemp(prefix="rg-", dir="/tmp")
 os.environ.setdefault("RAY_TMPDIR", _RAY_TMP)
+
+
+TESTS = Path(__file__).resolve().parent
+# Whole training runs (the e2e marker): every test under these folders.
+E2E_DIRS = ("e2e", "example_runs")
+# Tests that start Ray (the ray marker): these folders, and any test using these fixtures.
+RAY_DIRS = ("ray",)
+RAY_FIXTURES = ("ray_local",)
+# Tests that start worker processes or servers, seconds each (the slow marker): these folders, any test
+# using these fixtures, and the tests marked slow by hand (multi-rank torch worlds, CLI export).
+SLOW_DIRS = ("rollout", "sandbox", "tasks", "weightsync")
+SLOW_FIXTURES = ("contract_results",)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Adds the markers that define the fast lane, by where a test lives and what it uses:
+
+    - ``e2e`` to every test under tests/e2e and tests/example_runs (whole runs of the tiny model);
+    - ``ray`` to every test under tests/ray and every test requesting the ``ray_local`` fixture;
+    - ``slow`` to every test under tests/rollout (HTTP engine servers), tests/sandbox (sandboxed
+      processes), tests/tasks (an engine server per module), tests/weightsync (gloo groups across
+      processes) and every test requesting ``contract_results`` (a trainer worker process per backend).
+
+    Markers set in the test files are kept; the fast lane is
+    ``pytest -m "not e2e and not ray and not slow and not gpu and not sglang and not megatron and not
+    modal and not sglang_cpu and not vllm_cpu"``.
+    """
+    for item in items:
+        folder = Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0]
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if folder in E2E_DIRS:
+            item.add_marker(pytest.mark.e2e)
+        if folder in RAY_DIRS or fixtures & set(RAY_FIXTURES):
+            item.add_marker(pytest.mark.ray)
+        if folder in SLOW_DIRS or fixtures & set(SLOW_FIXTURES):
+            item.add_marker(pytest.mark.slow)
 
 
 def start_local_ray(num_cpus: int = 8, num_gpus: int = 8, **kwargs):

@@ -150,6 +150,17 @@ def test_writing_outside_its_directory_fails(box, tmp_path):
     assert [t for t in targets if t.exists()] == []
 
 
+def secret_written(uid: int, secret: str) -> bool:
+    """Whether a running process of ``uid`` sees ``secret`` in its private /tmp/secret.txt."""
+    for pid in processes_of(uid):
+        try:
+            if secret in Path(f"/proc/{pid}/root/tmp/secret.txt").read_text():
+                return True
+        except OSError:  # not this process's file, or the process just ended
+            continue
+    return False
+
+
 def test_one_sandbox_cannot_read_anothers_files(box):
     secret = f"secret-{time.monotonic_ns()}"
     slow = Limits(cpu_seconds=2, wall_seconds=15.0, memory_bytes=256 * 1024 * 1024, processes=16)
@@ -159,9 +170,9 @@ def test_one_sandbox_cannot_read_anothers_files(box):
         writer = threading.Thread(target=run_tests, args=(other, writer_code, TEST))
         writer.start()
         deadline = time.monotonic() + 30
-        while not processes_of(other.uid) and time.monotonic() < deadline:
-            time.sleep(0.05)  # the writer's sandbox is up ...
-        time.sleep(0.5)  # ... and has written its secret (its first statement)
+        while not secret_written(other.uid, secret):  # read from the host through /proc/<pid>/root
+            assert time.monotonic() < deadline, "the writer never wrote its secret"
+            time.sleep(0.05)
         attack = (
             "import os\nfound = []\n"
             "for root in ['/tmp', '/var/tmp', '/dev/shm', '/proc']:\n"

@@ -171,6 +171,7 @@ def _critic_worker(rank: int, world: int, port: int, path: str, out: str) -> Non
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow  # a separate process per rank
 def test_two_fsdp_critic_ranks_match_one_rank(tiny_model_path, tmp_path):
     out = str(tmp_path / "critic.pt")
     mp.start_processes(

@@ -26,6 +26,7 @@ def same_tensors(a, b, where: str = "") -> None:
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
 
 
+@pytest.mark.slow  # a separate process per rank
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("backend", ["torch", MEGATRON])
 def test_saved_at_one_rank_loads_at_two_and_back(backend, tmp_path):

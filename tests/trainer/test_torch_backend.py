@@ -113,6 +113,7 @@ def _fsdp_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow  # a separate process per rank
 def test_two_fsdp_ranks_match_one_rank(tiny_model_path, tmp_path):
     out = str(tmp_path / "fsdp.pt")
     mp.start_processes(

@@ -119,6 +119,7 @@ def test_plan_prints_notes_not_python_warnings():
         assert "logical" in tiny_plan.stderr
 
 
+@pytest.mark.slow  # a CLI subprocess importing torch
 def test_export_names_the_step_and_keeps_file_modes(tmp_path):
     from raygym.builtin import build_tiny_model, materialize_model
     from raygym.checkpoint import save_checkpoint
