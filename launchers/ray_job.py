@@ -34,9 +34,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raygym.errors import ConfigError
+
+if TYPE_CHECKING:
+    from raygym.config import Recipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRAIN_MODULE = "raygym.train"
@@ -74,24 +77,9 @@ def resolve_recipe(train_args: Sequence[str]) -> Any:
     return TrainConfig.from_cli_args(list(train_args)).recipe
 
 
-def recipe_env_vars(recipe: Any) -> dict[str, str]:
-    """``recipe.environment`` then ``recipe.train_env_vars`` (dict or inline JSON) as string env vars."""
-    env: dict[str, str] = {}
-    for field_name in ("environment", "train_env_vars"):
-        value = getattr(recipe, field_name, None)
-        if value in (None, "", {}):
-            continue
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                raise ConfigError(
-                    f'{field_name}={value!r}: not valid JSON; pass an object like \'{{"NCCL_DEBUG": "INFO"}}\''
-                ) from None
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{field_name}={value!r}: must be a mapping of env var names to values")
-        env.update({str(k): str(v) for k, v in value.items()})
-    return env
+def recipe_env_vars(recipe: Recipe) -> dict[str, str]:
+    """``recipe.environment`` then ``recipe.train_env_vars`` (the Recipe has parsed and checked both)."""
+    return {**recipe.environment, **(recipe.train_env_vars or {})}
 
 
 # ---------------------------------------------------------------- secrets

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import types
 
 import pytest
 
@@ -22,13 +21,14 @@ from launchers.ray_job import (
     redact,
     resolve_recipe,
 )
+from raygym.config import Recipe
 from raygym.errors import ConfigError
 
 SECRETS = {"WANDB_API_KEY": "wandb-abc-123456", "HF_TOKEN": "hf_zyx987654"}
 
 
 def _recipe(environment=None, train_env_vars=None):
-    return types.SimpleNamespace(environment=environment or {}, train_env_vars=train_env_vars)
+    return Recipe(environment=environment or {}, train_env_vars=train_env_vars)
 
 
 def test_entrypoint_is_the_train_module_with_flags_quoted():
@@ -45,11 +45,11 @@ def test_entrypoint_is_the_train_module_with_flags_quoted():
 
 
 def test_recipe_env_vars_merge_environment_then_train_env_vars_json():
-    env = recipe_env_vars(_recipe({"NCCL_DEBUG": "WARN", "N": 1}, '{"NCCL_DEBUG": "INFO", "X": "y"}'))
+    env = recipe_env_vars(_recipe({"NCCL_DEBUG": "WARN", "N": "1"}, '{"NCCL_DEBUG": "INFO", "X": "y"}'))
     assert env == {"NCCL_DEBUG": "INFO", "N": "1", "X": "y"}
 
 
-def test_recipe_env_vars_bad_json_names_field():
+def test_bad_train_env_vars_json_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match="train_env_vars"):
         recipe_env_vars(_recipe(train_env_vars="{not json"))
 
