@@ -364,3 +364,49 @@ def test_json_dict_round_trip():
     data = cfg.to_json_dict()
     assert json.loads(json.dumps(data)) == data
     assert TrainConfig.model_validate(data) == cfg
+
+
+# ---- hypothesis: the same property with shrinking, and any text in a free-text field ----------------
+from hypothesis import HealthCheck, assume, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+# String fields whose value is free text (no choices, no import path, no URL rules): any text must survive.
+FREE_TEXT_FIELDS = (
+    (ModelConfig, "hf_checkpoint"),
+    (DatasetConfig, "input_key"),
+    (DatasetConfig, "label_key"),
+    (MetricsConfig, "wandb_project"),
+    (MetricsConfig, "wandb_group"),
+    (Recipe, "update_weight_disk_dir"),
+)
+ARGV_TEXT = st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=24)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.randoms(use_true_random=False))
+def test_hypothesis_drawn_configs_round_trip_exactly(rng):
+    cfg = random_config(rng)
+    args = cfg.cli_args()
+    back = TrainConfig.from_cli_args(args)
+    assert back == cfg and back.cli_args() == args
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(FREE_TEXT_FIELDS), ARGV_TEXT)
+@example((MetricsConfig, "wandb_project"), "--")  # argparse reads a bare "--" as the end of options
+@example((DatasetConfig, "input_key"), "-1e-3")
+@example((ModelConfig, "hf_checkpoint"), "@run.toml")  # looks like a TOML include
+@example((MetricsConfig, "wandb_group"), "")
+def test_any_text_in_a_free_text_field_round_trips(field, value):
+    model, name = field
+    sections = {ModelConfig: "model", DatasetConfig: "dataset", MetricsConfig: "metrics", Recipe: "recipe"}
+    parts = {"model": {"hf_checkpoint": "m"}, "dataset": {}, "metrics": {}, "recipe": {}}
+    parts[sections[model]][name] = value
+    try:
+        cfg = TrainConfig(recipe=Recipe(**parts["recipe"]), model=ModelConfig(**parts["model"]),
+                          dataset=DatasetConfig(**parts["dataset"]), metrics=MetricsConfig(**parts["metrics"]))
+    except ConfigError:
+        assume(False)  # a value the field refuses (e.g. a secret-looking string) has nothing to round-trip
+    back = TrainConfig.from_cli_args(cfg.cli_args())
+    assert getattr(getattr(back, sections[model]), name) == value
+    assert back == cfg
