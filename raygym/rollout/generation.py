@@ -6,11 +6,9 @@ drains the queue into one batch (up to ``max_running_requests`` rows), prefills 
 padding (attention mask + position ids), then decodes step by step with a KV cache. Each row has
 its own sampling parameters and stop conditions; finished rows leave the batch (their KV cache
 rows are dropped); requests that arrive meanwhile are prefilled and join the running batch
-between decode steps (continuous batching). Abort and pause are checked
-between decode steps, so they take effect while a batch is running.
+between decode steps (continuous batching). Abort and pause are checked between decode steps.
 
-Sampling and the log-probs it reports are :mod:`raygym.rollout.sampling`'s; the KV cache is
-:mod:`raygym.rollout.kv_cache`'s.
+Sampling and its log-probs are :mod:`raygym.rollout.sampling`'s; the KV cache :mod:`raygym.rollout.kv_cache`'s.
 
 >>> from raygym.builtin import build_tiny_model
 >>> model, tok = build_tiny_model(0)
@@ -109,7 +107,9 @@ class EngineStats:
     generated_tokens: int = 0
     max_batch_size: int = 0
     joined: int = 0  # requests that joined a running batch (continuous batching)
+    parks: int = 0  # times the worker stopped to wait (no work, a pause, a hold): it decodes nothing then
     recent_batch_sizes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
+    parked: bool = False  # the worker is waiting right now
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -118,6 +118,8 @@ class EngineStats:
             "generated_tokens": self.generated_tokens,
             "max_batch_size": self.max_batch_size,
             "joined": self.joined,
+            "parks": self.parks,
+            "parked": self.parked,
             "recent_batch_sizes": list(self.recent_batch_sizes),
         }
 
@@ -344,7 +346,7 @@ class GenerationEngine:
     def _next_batch(self) -> list[GenerationRequest] | None:
         with self._cond:
             while not self._stopping and not self._can_start():
-                self._cond.wait()
+                self._park()
             if self._stopping:
                 return None
             if self.batch_wait_s > 0 and len(self._queue) < self.max_running_requests:
@@ -546,12 +548,29 @@ class GenerationEngine:
             # in_place: wait here, holding the KV cache but not the model lock; aborts issued
             # meanwhile finish their rows at once.
             while self._paused_mode == "in_place" and not self._stopping and survivors:
-                self._cond.wait()
+                self._park()
                 survivors = [i for i in survivors if not self._finish_if_aborted(rows[i])]
             survivors = [i for i in survivors if not self._finish_if_aborted(rows[i])]
             self._running = [rows[i] for i in survivors]
             self._cond.notify_all()
         return survivors
+
+    def _park(self) -> None:
+        """Wait for a change (the condition's lock held), counted and visible in ``stats``."""
+        self.stats.parks += 1
+        self.stats.parked = True
+        self._cond.notify_all()  # for wait_parked
+        self._cond.wait()
+        self.stats.parked = False
+
+    def wait_parked(self, after: int = 0, timeout: float = 30.0) -> bool:
+        """Wait until the worker waits, having parked more than ``after`` times: it decodes nothing then,
+        until what it waits for changes (tests see a pause take effect)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not (self.stats.parked and self.stats.parks > after) and time.monotonic() < deadline:
+                self._cond.wait(max(0.0, deadline - time.monotonic()))
+            return self.stats.parked and self.stats.parks > after
 
     def _finish_if_aborted(self, r: GenerationRequest) -> bool:
         if r._abort_message is None:

@@ -193,15 +193,16 @@ def test_pause_keeps_requests_and_continue_finishes_them_identically(model_and_t
         r = GenerationRequest("r", [5, 6, 7], params)
         eng.submit(r)
         _wait_for(lambda: len(r.output_ids) >= 1)
+        parks = eng.stats.parks
         eng.pause(mode)
-        time.sleep(0.05)
+        assert eng.wait_parked(after=parks)  # the pause took effect: the worker waits, decoding nothing
         frozen = len(r.output_ids)
-        time.sleep(0.1)
-        assert len(r.output_ids) == frozen and not r.done
+        assert not r.done and frozen < 60
+        parks = eng.stats.parks
         late = GenerationRequest("late", [5, 6, 7], params)
-        eng.submit(late)  # waits in the queue while paused
-        time.sleep(0.05)
-        assert late.output_ids == []
+        eng.submit(late)  # wakes the worker, which must go back to waiting without starting it
+        assert eng.wait_parked(after=parks)
+        assert late.output_ids == [] and len(r.output_ids) == frozen and not r.done
         eng.resume()
         run_all(eng, [])
         assert r.wait(30) and late.wait(30)
@@ -222,8 +223,19 @@ def test_exclusive_takes_the_model_between_decode_steps(model_and_tok):
         _wait_for(lambda: len(r.output_ids) > 1)
         with eng.exclusive(wait_idle=False):
             n = len(r.output_ids)
-            time.sleep(0.1)
-            assert len(r.output_ids) <= n + 1  # at most the step that was already sampling
+            steps = eng.stats.generated_tokens
+            # the worker finishes the step it was sampling, then blocks on the model: wait until a
+            # decode step would have run many times over (a request on another engine is the clock)
+            clock = GenerationEngine(model, eos_token_ids=[1])
+            clock.start()
+            try:
+                tick = GenerationRequest("tick", [3], SamplingParams(temperature=0.0, max_new_tokens=20,
+                                                                     ignore_eos=True))
+                clock.submit(tick)
+                assert tick.wait(30)
+            finally:
+                clock.stop()
+            assert len(r.output_ids) <= n + 1 and eng.stats.generated_tokens <= steps + 1
         eng.abort("r")
         assert r.wait(10)
     finally:

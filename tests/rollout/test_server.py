@@ -349,6 +349,14 @@ def _wait_pending(server: str, n: int, timeout: float = 30) -> None:
         time.sleep(0.02)
 
 
+def _wait_parked(server: str, after: int, timeout: float = 30) -> None:
+    """Wait until the engine's worker waits, having parked more than ``after`` times (a counter)."""
+    deadline = time.monotonic() + timeout
+    while not ((s := run(server, lambda c: c.stats()))["parked"] and s["parks"] > after):
+        assert time.monotonic() < deadline, "the engine's worker never went back to waiting"
+        time.sleep(0.02)
+
+
 def _wait_generating(server: str, timeout: float = 30) -> None:
     """Wait until the running request has produced tokens (a counter, not a sleep)."""
     start = run(server, lambda c: c.stats())["generated_tokens"]
@@ -377,10 +385,11 @@ def test_pause_abort_mode_aborts_in_flight_and_holds_new_requests_until_continue
     }
     assert fut.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
     assert httpx.get(f"{server}/health_generate", timeout=30).status_code == 503
+    parks = run(server, lambda c: c.stats())["parks"]
     late = _long_request(server, "late", max_new_tokens=5)
     _wait_pending(server, 1)
-    time.sleep(0.2)
-    assert not late.done()
+    _wait_parked(server, after=parks)  # the worker saw the late request and went back to waiting
+    assert not late.done() and run(server, lambda c: c.stats())["pending"] == 1
     run(server, lambda c: c.continue_generation())
     assert late.result(timeout=60)["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
 
