@@ -82,7 +82,9 @@ def iter_buckets(metas: Iterable[TensorMeta], max_bytes: int) -> Iterator[Bucket
         yield last
 
 
-def plan_buckets(metas: Iterable[TensorMeta | tuple[str, tuple[int, ...], str, int]], max_bytes: int) -> list[Bucket]:
+def plan_buckets(
+    metas: Iterable[TensorMeta | tuple[str, tuple[int, ...], str, int]], max_bytes: int
+) -> list[Bucket]:
     """Split ``metas`` (name, shape, dtype, nbytes) into order-preserving buckets of <= ``max_bytes``.
 
     A tensor larger than ``max_bytes`` gets a bucket of its own.
