@@ -3,7 +3,7 @@
 Model sizes (``--models``, both random Qwen3s with the builtin character tokenizer, next-digit task,
 16 prompts x 8 samples):
 
-- ``ref`` (the headline, issue 7's reference scale): ~2.6M parameters (hidden 256, 4 layers,
+- ``ref`` (the headline scale): ~2.6M parameters (hidden 256, 4 layers,
   intermediate 512), 16 new tokens;
 - ``tiny``: the ``tiny`` preset's ~80K-parameter model, 8 new tokens.
 

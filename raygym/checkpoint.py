@@ -105,6 +105,21 @@ def _write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -
             f.write(data)
 
 
+def write_extra_and_hf_files(fs: fsspec.AbstractFileSystem, path: str, extra: dict[str, Any] | None,
+                             hf_source: str | None) -> None:
+    """A checkpoint's ``extra.json`` and, from the HF directory ``hf_source``, its config and tokenizer
+    files under ``hf/`` (both checkpoint formats write these the same way)."""
+    with fs.open(_join(path, "extra.json"), "w") as f:
+        json.dump(extra or {}, f)
+    if hf_source:
+        fs.makedirs(_join(path, "hf"), exist_ok=True)
+        for name in HF_SIDE_FILES:
+            src = Path(hf_source) / name
+            if src.exists():
+                with fs.open(_join(path, "hf", name), "wb") as f:
+                    f.write(src.read_bytes())
+
+
 def _torch_save(fs: fsspec.AbstractFileSystem, path: str, obj: Any) -> None:
     with fs.open(path, "wb") as f:
         torch.save(obj, f)
@@ -168,15 +183,7 @@ def save_checkpoint(
     if optimizer_state is not None:
         _torch_save(fs, _join(path, "optimizer.pt"), optimizer_state)
     _torch_save(fs, _join(path, "trainer_state.pt"), trainer_state or {})
-    with fs.open(_join(path, "extra.json"), "w") as f:
-        json.dump(extra or {}, f)
-    if hf_source:
-        fs.makedirs(_join(path, "hf"), exist_ok=True)
-        for name in HF_SIDE_FILES:
-            src = Path(hf_source) / name
-            if src.exists():
-                with fs.open(_join(path, "hf", name), "wb") as f:
-                    f.write(src.read_bytes())
+    write_extra_and_hf_files(fs, path, extra, hf_source)
     files = {}
     for entry in fs.find(path):
         rel = entry[len(path.rstrip("/")) + 1 :] if entry.startswith(path.rstrip("/")) else entry

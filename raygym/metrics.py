@@ -173,7 +173,7 @@ class MetricsLogger:
         self.close()
 
 
-# perf/* keys every row keeps even with substep_timing="off" (DESIGN.md's required keys + throughput).
+# perf/* keys every row keeps even with substep_timing="off" (the per-phase times every run reports, plus throughput).
 CORE_PERF_KEYS = frozenset({"perf/step_time", "perf/rollout_time", "perf/train_time", "perf/sync_time",
                             "perf/eval_time", "perf/tokens_per_s"})
 SUBSTEP_TIMING = ("auto", "off")

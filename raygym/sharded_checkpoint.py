@@ -33,7 +33,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -41,13 +40,13 @@ import torch
 
 from raygym.checkpoint import (
     FORMAT,
-    HF_SIDE_FILES,
     MANIFEST,
     _is_local,
     _join,
     _read_manifest,
     _write_bytes_atomic,
     iter_dir_name,
+    write_extra_and_hf_files,
 )
 from raygym.errors import ConfigError
 from raygym.trainer.contract import CheckpointState
@@ -131,15 +130,7 @@ def _finish(
     extra: dict[str, Any] | None,
     hf_source: str | None,
 ) -> None:
-    with fs.open(_join(path, "extra.json"), "w") as f:
-        json.dump(extra or {}, f)
-    if hf_source:
-        fs.makedirs(_join(path, "hf"), exist_ok=True)
-        for name in HF_SIDE_FILES:
-            src = Path(hf_source) / name
-            if src.exists():
-                with fs.open(_join(path, "hf", name), "wb") as f:
-                    f.write(src.read_bytes())
+    write_extra_and_hf_files(fs, path, extra, hf_source)
     files = {}
     prefix = path.rstrip("/") + "/"
     for entry in fs.find(path):

@@ -5,7 +5,7 @@ Each engine is in one of three states:
 - ``healthy``: gets traffic;
 - ``dead``: failed; gets no traffic while it is restarted;
 - ``needs_weights``: restarted, but it serves stale weights; gets no traffic until
-  ``mark_ready(i, version)`` reports the CURRENT weight version (FIELD-NOTES: a recovered engine
+  ``mark_ready(i, version)`` reports the CURRENT weight version (a recovered engine
   must not serve before it holds the current policy).
 
 >>> r = Router(2)
