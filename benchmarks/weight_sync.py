@@ -11,7 +11,9 @@ server (``weight_sync_receivers.py``). Sections, one JSON object per line (figur
 measured in the same run, ratio with its definition in ``ratio_is``, goal, machine with its load):
 
 1. payloads: changed fraction per step, delta/full payload per encoding;
-2. loopback: full sync (the sender's push) against a raw gloo broadcast of the same bytes;
+2. loopback: full sync (the sender's push) against a raw gloo broadcast of the same bytes; the same plus
+   the coordinator's checksum verification (``gloo_full_sync_verified``). After the first full sync the
+   receivers take full buckets in place (:mod:`raygym.weightsync.in_place`);
 3. per link (loopback; then, as root, receivers in a network namespace behind a veth pair shaped with
    tc to ``--link-gbit`` rates, ``shaped_link.py``): ``--syncs`` syncs through ``WeightSync.push``
    (pause, push, checksum verification, commit, continue) with ``update_weight_mode`` full, delta and
@@ -246,6 +248,7 @@ def transport_figures(versions, rx, rx_shadow, args, memcpy_s: float) -> None:
         raws_one, raws_pieces, fulls, shadowed = [], [], [], []
         cpu: dict[str, list[float]] = {"raw_one": [], "raw_pieces": [], "full": [], "shadowed": []}
         metrics: dict[int, dict] = {}
+        verify: dict[str, list[float]] = {"full": [], "shadowed": []}
 
         def push(version: int, shadow: bool) -> None:
             out, to = (shadow_sender, shadow_links) if shadow else (sender, links)
@@ -270,9 +273,13 @@ def transport_figures(versions, rx, rx_shadow, args, memcpy_s: float) -> None:
                 wall, used = measured(fn, shadow_pids if key == "shadowed" else pids)
                 cpu[key].append(used)
                 out.append((wall, metrics.get(100 + rep if key == "shadowed" else rep, {})))
-                if key in ("full", "shadowed"):  # outside the timing: the receivers hold exactly these bytes
-                    for link in shadow_links if key == "shadowed" else links:
-                        got = link.call("weights_checksum", {"names": None}, 300)["checksums"]
+                if key in ("full", "shadowed"):  # timed apart: the coordinator's check, every engine at once
+                    to = shadow_links if key == "shadowed" else links
+                    t0 = time.perf_counter()
+                    answers = list(sender.transport._pool.map(
+                        lambda link: link.call("weights_checksum", {"names": None}, 300)["checksums"], to))
+                    verify[key].append(time.perf_counter() - t0)
+                    for link, got in zip(to, answers, strict=True):
                         assert got == want, f"{link.name} differs after a {key} sync"
         raws_one = [w for w, _ in raws_one]
         raws_pieces = [w for w, _ in raws_pieces]
@@ -291,6 +298,11 @@ def transport_figures(versions, rx, rx_shadow, args, memcpy_s: float) -> None:
          ratio_vs_raw_pieces=raw_pieces / full_s,
          median_ratio=statistics.median(raws_one) / statistics.median(r[0] for r in fulls),
          reps=[r[0] for r in fulls], **_breakdown(full_m))
+    verified = [w + v for (w, _), v in zip(fulls, verify["full"], strict=True)]
+    emit("gloo_full_sync_verified", min(verified), baseline=raw_one, ratio=raw_one / min(verified),
+         ratio_is="raw one-buffer broadcast / (full sync + the coordinator's checksum verification)",
+         median_ratio=statistics.median(raws_one) / statistics.median(verified),
+         verify_s=statistics.median(verify["full"]), reps=verified)
     shadow_s, shadow_m = min(shadowed, key=lambda r: r[0])
     emit("gloo_full_sync_double_buffered", shadow_s, baseline=raw_one, ratio=raw_one / shadow_s,
          ratio_is="raw one-buffer broadcast / double-buffered full sync (shadow begin + push + switch)",

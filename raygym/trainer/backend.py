@@ -19,8 +19,9 @@ backend (``megatron_backend.py``) implement this contract:
   same keys on every backend (``raygym.trainer.contract.TrainMetrics``). Without ``old_log_probs`` the
   backend computes them first, or, with one optimizer step per rollout (``single_pass_log_probs`` in the
   facts of ``init``), takes its own detached training log-probs.
-- ``iter_hf_weights(dtype=None)``: yields ``(hf_name, tensor)`` for every weight in HF naming; a
-  collective under sharding: every rank must iterate; rank 0 gets full tensors, other ranks may get None.
+- ``iter_hf_weights(dtype=None)``: yields ``(hf_name, tensor)`` for every weight in HF naming, a tied one
+  once (``model.embed_tokens.weight``, no ``lm_head.weight``); a collective under sharding: every rank
+  must iterate; rank 0 gets full tensors, other ranks may get None.
 - ``offload()`` / ``onload()``: move params, grads and optimizer state to host memory and back (colocate).
 - ``checkpoint_state(include_optimizer) -> CheckpointState``: THIS rank's blocks of the weights (fp32,
   HF names and shapes), optimizer state, schedule position and RNG, for ``raygym.sharded_checkpoint`` (a

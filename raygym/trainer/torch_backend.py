@@ -67,6 +67,17 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 
+def tied_aliases(model: torch.nn.Module) -> frozenset[str]:
+    """Names of parameters that are another name's parameter (tied weights), all but the first of each.
+
+    >>> m = torch.nn.Module(); m.a = torch.nn.Linear(2, 2); m.b = torch.nn.Linear(2, 2); m.b.weight = m.a.weight
+    >>> sorted(tied_aliases(m))
+    ['b.weight']
+    """
+    unique = {name for name, _ in model.named_parameters()}
+    return frozenset(name for name, _ in model.named_parameters(remove_duplicate=False) if name not in unique)
+
+
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     """Recompute every decoder layer's activations in backward (transformers 5 name, 4.x fallback)."""
     kwargs = {"use_reentrant": False}
@@ -477,7 +488,13 @@ class TorchBackend(TrainerBackend):
 
     # ---- weights, memory, checkpoints ----------------------------------------------------------------
     def iter_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Every weight by HF name, a tied one once under its first name (``model.embed_tokens.weight``, not
+        ``lm_head.weight``): engines tie it too, SGLang and vLLM skip ``lm_head.weight`` when tied, and the
+        Megatron backend sends it once; sending it twice only doubles an embedding's bytes on the wire."""
+        aliases = tied_aliases(self.model)
         for name, tensor in self.model.state_dict().items():
+            if name in aliases:
+                continue
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             if self.rank != 0:
                 yield name, None

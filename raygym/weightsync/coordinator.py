@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from raygym.config import Recipe
@@ -256,13 +257,20 @@ class WeightSync:
         of the copy a double-buffered update loaded, before it is served."""
         if self.verification == "probe":
             return self.verify_versions(version)
-        bad = []
-        for link in self.links:
+        body: dict[str, Any] = {"names": None, "shadow": True} if shadow else {"names": None}
+
+        def ask(link: EngineLink) -> dict[str, Any] | str:
             try:
-                body: dict[str, Any] = {"names": None, "shadow": True} if shadow else {"names": None}
-                answer = checked(link, "raygym/weights_checksum", body, self.timeout_s)
+                return checked(link, "raygym/weights_checksum", body, self.timeout_s)
             except WeightSyncError as exc:
-                bad.append(str(exc))
+                return str(exc)
+
+        with ThreadPoolExecutor(max_workers=len(self.links), thread_name_prefix="raygym-verify") as pool:
+            answers = list(pool.map(ask, self.links))  # every engine hashes its weights at the same time
+        bad = []
+        for link, answer in zip(self.links, answers, strict=True):
+            if isinstance(answer, str):
+                bad.append(answer)
                 continue
             got = answer.get("checksums", {})
             wrong = [n for n, h in expected.items() if got.get(n) != h]

@@ -98,6 +98,12 @@ def named_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for n, t in model.state_dict(keep_vars=True).items()}
 
 
+def named_holders(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF name -> the tensor object itself (a Parameter, buffer or shadow tensor), whose storage may be
+    replaced (``holder.data = ...``); tied names map to one object."""
+    return dict(model.state_dict(keep_vars=True))
+
+
 def model_checksums(model: torch.nn.Module, names: Iterable[str] | None = None) -> dict[str, str]:
     """``codec.checksum`` of each named parameter (all when ``names`` is None), as the server reports them."""
     targets = named_targets(model)

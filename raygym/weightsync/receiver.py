@@ -8,14 +8,19 @@ benchmarks run it in plain processes or Ray actors as a receiver that does not g
 pause/continue/flush are trivially successful). Request bodies are the models of
 :mod:`raygym.rollout.protocol`; answers are SGLang's ``{"success", "message"}``.
 
-Every update is all or nothing (see :mod:`raygym.weightsync.loader`): names, shapes and dtypes are
-checked and tensors staged before anything is written, so a failed update leaves the weights and the
-version label as they were, and says so.
+Every update loaded by copy is all or nothing (see :mod:`raygym.weightsync.loader`): names, shapes and
+dtypes are checked and tensors staged before anything is written, so a failed update leaves the weights
+and the version label as they were, and says so.
 
 Distributed requests are pipelined (:meth:`WeightReceiver.submit_distributed`): bucket k+1 is received
-into a second scratch buffer while bucket k is loaded, in order. Double-buffered updates
-(``/raygym/shadow_begin`` ... ``/raygym/shadow_switch``, :mod:`raygym.weightsync.shadow`) load into a
-shadow copy while the model keeps serving, and are verified there before the switch.
+into a second scratch buffer while bucket k is loaded, in order. A full raygym bucket whose layout the
+weights already have (:mod:`raygym.weightsync.in_place`: adopted after the first full load) is received
+straight into the weights instead: no scratch, no copy, no hashing on the receive path. Its bytes are
+checked by the coordinator's checksum comparison, which runs before generation continues; a broadcast
+that fails part way through leaves the weights labelled :data:`INCOMPLETE` until a full sync succeeds.
+Double-buffered updates (``/raygym/shadow_begin`` ... ``/raygym/shadow_switch``,
+:mod:`raygym.weightsync.shadow`) load into a shadow copy while the model keeps serving, and are verified
+there before the switch.
 
 >>> r = WeightReceiver(model)                                   # doctest: +SKIP
 >>> r.update_weights_from_disk(model_path="/shared/v000003", load_format=LOADER, weight_version="3")  # doctest: +SKIP
@@ -24,6 +29,7 @@ shadow copy while the model keeps serving, and are verified there before the swi
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import time
 from collections.abc import Callable, Iterable
@@ -36,18 +42,25 @@ import torch
 
 from raygym.callables import load_callable
 from raygym.rollout import protocol
-from raygym.weightsync import loader
-from raygym.weightsync.codec import dtype_from_name
-from raygym.weightsync.payload import LOADER
+from raygym.weightsync import in_place, loader
+from raygym.weightsync.codec import checksum, dtype_from_name
+from raygym.weightsync.payload import BUCKET_NAME, LOADER, MANIFEST_NAME, Manifest
 from raygym.weightsync.shadow import ShadowWeights
 from raygym.weightsync.sources import WeightSources
 from raygym.weightsync.tensor_pickle import loads_named_tensors
-from raygym.weightsync.transport_dist import ScratchBuffers, join_group, receive_flattened, receive_tensors
+from raygym.weightsync.transport_dist import (
+    ScratchBuffers,
+    broadcast,
+    join_group,
+    receive_flattened,
+    receive_tensors,
+)
 
 Loader = Callable[[torch.nn.Module, Iterable[tuple[str, torch.Tensor]]], Any]
 _JOINS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="raygym-join")
 DEFAULT_FORMATS = (None, "", "auto", "safetensors", "default", "direct")
 RECEIVE_DEPTH = 2  # buckets in the engine at once: one being received, one being loaded
+INCOMPLETE = "incomplete"  # the weight version after an in-place receive failed part way (a full sync repairs it)
 
 
 class WeightRequestError(ValueError):
@@ -92,6 +105,19 @@ def copy_by_name(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
 
 
 @dataclass(frozen=True)
+class InPlaceBucket:
+    """A full bucket already received into the weights (served, or the shadow copy when ``shadowed``), or,
+    with ``fresh``, into a new region that becomes their storage once it is checked."""
+
+    manifest: Manifest
+    shadowed: bool
+    fresh: torch.Tensor | None = None
+
+
+Received = list[tuple[str, torch.Tensor]] | InPlaceBucket
+
+
+@dataclass(frozen=True)
 class JoinedGroup:
     """A weight-update process group this engine joined."""
 
@@ -123,6 +149,8 @@ class WeightReceiver:
         self.groups: dict[str, JoinedGroup] = {}
         self.session_open = False
         self.last_apply_s = 0.0
+        self.in_place_buckets = 0  # full buckets received straight into the weights (no scratch, no copy)
+        self.adopted_buckets = 0  # full buckets received into a fresh region that became their tensors' storage
         self.shadow = ShadowWeights(model)
         self._shadow_version: str | None = None
         # Two scratch sets: bucket k+1 is received into one while bucket k is loaded from the other.
@@ -209,9 +237,11 @@ class WeightReceiver:
 
     # ----- updates -----
     def receive_distributed(self, req: protocol.UpdateWeightsFromDistributed,
-                            scratch: ScratchBuffers | None = None) -> list[tuple[str, torch.Tensor]]:
+                            scratch: ScratchBuffers | None = None) -> Received:
         """Receive one request's tensors (the sender is broadcasting them) into ``scratch`` (reused memory,
-        valid until the scratch is used again) or fresh memory. A bad request raises WeightRequestError."""
+        valid until the scratch is used again) or fresh memory; a full raygym bucket goes straight into the
+        weights when they have its layout, else into a fresh region that will become their storage (an
+        :class:`InPlaceBucket` either way). A bad request raises WeightRequestError."""
         group = self.groups.get(req.group_name)
         if group is None:
             raise WeightRequestError(f"group_name={req.group_name!r}: no such group; call /init_weights_update_group first")
@@ -228,7 +258,51 @@ class WeightReceiver:
         device = self.device if group.backend == "nccl" else torch.device("cpu")
         if req.load_format == protocol.FLATTENED_BUCKET:
             return receive_flattened(group.pg, specs, device, self.timeout_s, scratch)
+        if _dotted(req.load_format or "") == _dotted(LOADER) and req.names == [MANIFEST_NAME, BUCKET_NAME]:
+            return self._receive_bucket(group.pg, specs, device, scratch)
         return list(receive_tensors(group.pg, specs, device, self.timeout_s, scratch))
+
+    def _receive_bucket(self, pg: Any, specs: list[tuple[str, torch.dtype, list[int]]], device: torch.device,
+                        scratch: ScratchBuffers | None) -> Received:
+        """A raygym bucket: the manifest first, then the flat buffer into the weights when their layout
+        matches (:func:`raygym.weightsync.in_place.bucket_region`), else into scratch like any request."""
+        tensors = receive_tensors(pg, specs, device, self.timeout_s, scratch)
+        name, manifest_bytes = next(tensors)
+        try:
+            manifest: Manifest | None = Manifest.from_bytes(manifest_bytes.cpu())
+        except (ValueError, KeyError, TypeError):
+            manifest = None  # the loader reports it; the buffer must still be received (the group stays in step)
+        shadowed = self.shadow.open
+        if manifest is None or manifest.total_bytes != math.prod(specs[1][2]):
+            return [(name, manifest_bytes), *tensors]
+        holders = loader.named_holders(self._write_target())
+        region = in_place.bucket_region(manifest, holders, device)
+        if region is None:
+            if not in_place.adoptable(manifest, holders, device):
+                return [(name, manifest_bytes), *tensors]
+            try:
+                fresh = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=device)
+            except (RuntimeError, MemoryError):  # no room for a region now: receive into scratch and copy
+                return [(name, manifest_bytes), *tensors]
+            broadcast(pg, fresh, self.timeout_s)  # new memory: the weights are untouched until it is checked
+            return InPlaceBucket(manifest, shadowed, fresh)
+        if shadowed:
+            self.shadow.written()
+            broadcast(pg, region, self.timeout_s)
+        else:
+            with self.exclusive():
+                self.shadow.served_changed()
+                try:
+                    broadcast(pg, region, self.timeout_s)
+                except BaseException:
+                    self.weight_version = INCOMPLETE  # part of the served bytes were overwritten
+                    raise
+        self.in_place_buckets += 1
+        return InPlaceBucket(manifest, shadowed)
+
+    def _write_target(self) -> torch.nn.Module:
+        """Where loads go now: the shadow copy during a double-buffered update, else the served model."""
+        return self.shadow.target() if self.shadow.open else self.model
 
     def submit_distributed(self, **body: Any) -> Future[dict[str, Any]]:
         """Start one ``/update_weights_from_distributed`` request; its answer arrives in the future.
@@ -248,8 +322,11 @@ class WeightReceiver:
             self._loading = ThreadPoolExecutor(1, thread_name_prefix="raygym-load")
         loading = self._loading
 
-        def load(received: list[tuple[str, torch.Tensor]], scratch: ScratchBuffers) -> None:
+        def load(received: Received, scratch: ScratchBuffers) -> None:
             try:
+                if isinstance(received, InPlaceBucket):
+                    answer.set_result(self._settle_in_place(received, req.weight_version))
+                    return
                 answer.set_result(self.load(received, fn, req.weight_version))
             except BaseException as exc:  # the answer must come whatever happens
                 answer.set_result(_fail(f"Failed to update weights: {type(exc).__name__}: {exc}"))
@@ -266,12 +343,47 @@ class WeightReceiver:
                 return
             except Exception as exc:
                 self._scratch.put(scratch)
-                answer.set_result(_fail(f"Failed to receive weights: {type(exc).__name__}: {exc}"))
+                answer.set_result(_fail(f"Failed to receive weights: {type(exc).__name__}: {exc}; weight_version "
+                                        f"{self.weight_version!r}"))
                 return
             loading.submit(load, received, scratch)
 
         self._receiving.submit(receive)
         return answer
+
+    def _settle_in_place(self, bucket: InPlaceBucket, weight_version: str | None) -> dict[str, Any]:
+        """The answer to a bucket received in place: its bytes are already the weights (verified by the
+        coordinator's checksum comparison); move the version label as a load would. A bucket received into a
+        fresh region is checked first (all or nothing, as a load by copy) and its region becomes the storage
+        of its tensors: the layout is adopted, so the next bucket like it is received in place."""
+        start = time.perf_counter()
+        if bucket.shadowed != self.shadow.open:  # the double-buffered update was discarded meanwhile
+            return _fail("Failed to update weights: the shadow update this bucket belongs to was discarded",
+                         num_paused_requests=0)
+        if bucket.fresh is not None:
+            if not bucket.shadowed:  # a shadow is verified by the coordinator before it is switched in
+                bad = [e.name for e in bucket.manifest.entries
+                       if checksum(bucket.fresh[e.offset : e.offset + e.nbytes]) != e.checksum]
+                if bad:
+                    return _fail(f"Failed to update weights: checksum mismatch for {bad[:3]}; the served weights "
+                                 f"and weight_version {self.weight_version!r} are unchanged", num_paused_requests=0)
+            with contextlib.nullcontext() if bucket.shadowed else self.exclusive():
+                in_place.adopt_region(bucket.manifest, loader.named_holders(self._write_target()), bucket.fresh)
+                if bucket.shadowed:
+                    self.shadow.written()
+                else:
+                    self.shadow.served_changed()
+            self.adopted_buckets += 1
+        self.last_apply_s = time.perf_counter() - start
+        adopted = bucket.fresh is not None
+        if bucket.shadowed:
+            self._shadow_version = None if weight_version is None else str(weight_version)
+            return _ok("Received the bucket into the shadow copy; /raygym/shadow_switch serves it.",
+                       num_paused_requests=0, apply_s=self.last_apply_s, in_place=not adopted, adopted=adopted)
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        return _ok(f"Received the bucket into the model weights. Weight version updated to {self.weight_version}.",
+                   num_paused_requests=0, apply_s=self.last_apply_s, in_place=not adopted, adopted=adopted)
 
     def update_weights_from_distributed(self, **body: Any) -> dict[str, Any]:
         """Receive and load one request (waits for the requests submitted before it)."""

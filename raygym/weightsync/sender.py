@@ -248,7 +248,9 @@ class WeightSender:
             analyses.close()
         self._pending_version = version
         stats.update(bytes=pipe.sent_bytes, transfer_s=pipe.transfer_s + finish_s, wait_s=pipe.wait_s,
-                     buckets=pipe.buckets, encode_s=encode_s, apply_s=max(getattr(self.transport, "apply_s", None) or [0.0]))
+                     buckets=pipe.buckets, encode_s=encode_s, apply_s=max(getattr(self.transport, "apply_s", None) or [0.0]),
+                     in_place_buckets=min(getattr(self.transport, "in_place_buckets", None) or [0]),
+                     adopted_buckets=min(getattr(self.transport, "adopted_buckets", None) or [0]))
         total_s = time.perf_counter() - start
         return {"mode": "delta" if delta else "full", "checksums": checksums,
                 "metrics": self._metrics(stats, total_s, delta)}
@@ -348,6 +350,8 @@ class WeightSender:
             "sync/wait_s": stats["wait_s"],
             "sync/apply_s": stats["apply_s"],
             "sync/buckets": float(stats["buckets"]),
+            "sync/in_place_buckets": float(stats["in_place_buckets"]),  # on every engine (raygym's server)
+            "sync/adopted_buckets": float(stats["adopted_buckets"]),  # received into new regions (first syncs)
             "sync/total_s": total_s,
             "sync/gbps": moved / 1e9 / max(total_s, 1e-9),
             "sync/mode": 1.0 if delta else 0.0,

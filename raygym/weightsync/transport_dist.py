@@ -219,6 +219,8 @@ class DistTransport:
         self.timeout_s = float(timeout_s)
         self._unanswered: list[tuple[int, list[Future]]] = []  # (version, futures) of sent buckets
         self.apply_s = [0.0] * len(self.engines)  # per engine, this push: seconds its loads took (its answers)
+        self.in_place_buckets = [0] * len(self.engines)  # per engine, this push: buckets received into the weights
+        self.adopted_buckets = [0] * len(self.engines)  # ... into a fresh region that became the weights' storage
         self.group_name = ""
         self._pg: Any = None
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)), thread_name_prefix="raygym-ws")
@@ -265,6 +267,8 @@ class DistTransport:
         if self._pg is None:
             self.connect()
         self.apply_s = [0.0] * len(self.engines)
+        self.in_place_buckets = [0] * len(self.engines)
+        self.adopted_buckets = [0] * len(self.engines)
 
     def send_bucket(self, version: int, manifest: torch.Tensor, flat: torch.Tensor) -> None:
         """Post the receive request to every engine, broadcast manifest then buffer.
@@ -322,6 +326,8 @@ class DistTransport:
             answer = fut.result()
             if isinstance(answer, dict):
                 self.apply_s[i] += float(answer.get("apply_s") or 0.0)
+                self.in_place_buckets[i] += int(bool(answer.get("in_place")))
+                self.adopted_buckets[i] += int(bool(answer.get("adopted")))
 
     def close_group(self) -> None:
         """Leave the current group (engines are asked to destroy theirs; failures are ignored)."""

@@ -66,6 +66,7 @@ PROBES: dict[str, tuple[str, tuple[str, ...]]] = {
     },
     **{name: (f"import {name}", tier) for name, tier in ALGO_TIERS.items()},
     "raygym.weightsync.codec": ("import raygym.weightsync.codec", NO_RAY),
+    "raygym.weightsync.in_place": ("import raygym.weightsync.in_place", NO_RAY),
     "public API names": ("from raygym import Recipe, TrainConfig, presets", NO_TORCH_NO_RAY),
     "raygym plan": (
         "from raygym.cli import main\nassert main(['plan', '--preset', 'qwen3-30b-a3b']) == 0",

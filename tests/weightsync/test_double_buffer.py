@@ -5,11 +5,6 @@ verification is never served; auto explores delta after the seeding full sync an
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from typing import Any
 
 import httpx
@@ -18,8 +13,8 @@ import pytest
 from raygym.config import Recipe
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.engine_link import HttpEngineLink
-from raygym.weightsync.payload import LOADER
 from tests.weightsync.local_trainer import LocalTrainer
+from tests.weightsync.raygym_servers import raygym_servers
 
 pytestmark = pytest.mark.e2e
 
@@ -31,32 +26,8 @@ GENERATE = {"input_ids": [5, 9, 13, 2], "sampling_params": {"max_new_tokens": 3,
 @pytest.fixture(scope="module")
 def server(tiny_model_path):
     """One raygym server with raygym's loader registered; ended by its own handle."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, "-m", "raygym.rollout.server", "--model-path", tiny_model_path, "--host",
-                             "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", ENGINE_DTYPE,
-                             "--custom-weight-loader", LOADER, "--weight-update-timeout", "20"], env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server not healthy in 120 s"
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with raygym_servers(tiny_model_path, 1, ENGINE_DTYPE, ["--weight-update-timeout", "20"]) as urls:
+        yield urls[0]
 
 
 def recipe(**over: Any) -> Recipe:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import httpx
@@ -25,6 +23,7 @@ from raygym.weightsync.receiver import WeightReceiver
 from raygym.weightsync.sender import RankWeightSync, SenderSpec
 from raygym.weightsync.sources import WeightSources
 from tests.weightsync.local_trainer import LocalTrainer
+from tests.weightsync.raygym_servers import raygym_servers
 
 pytestmark = pytest.mark.e2e
 
@@ -43,37 +42,10 @@ def free_port() -> int:
 def servers(tiny_model_path, tmp_path_factory):
     """Two raygym servers with raygym's loader registered, reading weights from this session's temp
     directories; ended by their own handles."""
-    procs, urls = [], []
-    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    for _ in range(2):
-        port = free_port()
-        cmd = [sys.executable, "-m", "raygym.rollout.server", "--model-path", tiny_model_path, "--host", "127.0.0.1",
-               "--port", str(port), "--device", "cpu", "--dtype", ENGINE_DTYPE, "--custom-weight-loader", LOADER,
-               "--weight-update-timeout", str(SERVER_TIMEOUT_S), "--weight-source",
-               str(tmp_path_factory.getbasetemp()), "--weight-source", "memory://raygym-sync"]
-        procs.append(subprocess.Popen(cmd, env=env))
-        urls.append(f"http://127.0.0.1:{port}")
-    try:
-        deadline = time.monotonic() + 120
-        for proc, url in zip(procs, urls, strict=True):
-            while True:
-                assert proc.poll() is None, f"server {url} exited with {proc.returncode}"
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.monotonic() < deadline, f"server {url} not healthy in 120 s"
-                time.sleep(0.3)
+    with raygym_servers(tiny_model_path, 2, ENGINE_DTYPE, ["--weight-update-timeout", str(SERVER_TIMEOUT_S),
+                        "--weight-source", str(tmp_path_factory.getbasetemp()),
+                        "--weight-source", "memory://raygym-sync"]) as urls:
         yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def recipe(transport: str, **over) -> Recipe:
