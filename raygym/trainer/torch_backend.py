@@ -489,8 +489,9 @@ class TorchBackend(TrainerBackend):
     # ---- weights, memory, checkpoints ----------------------------------------------------------------
     def iter_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Every weight by HF name, a tied one once under its first name (``model.embed_tokens.weight``, not
-        ``lm_head.weight``): engines tie it too, SGLang and vLLM skip ``lm_head.weight`` when tied, and the
-        Megatron backend sends it once; sending it twice only doubles an embedding's bytes on the wire."""
+        ``lm_head.weight``): engines tie the head to the embedding too (raygym's server, SGLang's and vLLM's
+        Qwen models; SGLang also loads the embedding into a separate head when it has one), and the Megatron
+        backend sends it once; sending it twice only doubles an embedding's bytes on the wire."""
         aliases = tied_aliases(self.model)
         for name, tensor in self.model.state_dict().items():
             if name in aliases:
