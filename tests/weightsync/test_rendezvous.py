@@ -15,7 +15,7 @@ import torch
 
 from raygym.rollout.protocol import UpdateWeightsFromDistributed
 from raygym.weightsync.receiver import WeightReceiver, destroy_group
-from raygym.weightsync.transport_dist import broadcast, free_port, join_group
+from raygym.weightsync.transport_dist import broadcast, free_port, host_store, join_group
 
 PEER = str(Path(__file__).with_name("rendezvous_peer.py"))
 EXPECTED = (torch.arange(8, dtype=torch.float32) * 0.5).tolist()
@@ -34,9 +34,9 @@ def peer_answer(proc: subprocess.Popen) -> dict:
 
 
 def raygym_sends_to(python: str, impl: str) -> None:
-    port = free_port("127.0.0.1")
+    store, port = host_store("127.0.0.1", 2, 120)  # as the sender does: a port the OS picks, no race for it
     peer = start_peer(python, impl, "recv", port, 1, "wug_a")
-    pg = join_group("127.0.0.1", port, 0, 2, "wug_a", "gloo", 120)
+    pg = join_group("127.0.0.1", port, 0, 2, "wug_a", "gloo", 120, store=store)
     broadcast(pg, torch.arange(8, dtype=torch.float32) * 0.5, 120)
     assert peer_answer(peer) == {"received": EXPECTED}
     destroy_group(pg, "wug_a")
