@@ -248,12 +248,21 @@ class WeightSender:
             analyses.close()
         self._pending_version = version
         stats.update(bytes=pipe.sent_bytes, transfer_s=pipe.transfer_s + finish_s, wait_s=pipe.wait_s,
-                     buckets=pipe.buckets, encode_s=encode_s, apply_s=max(getattr(self.transport, "apply_s", None) or [0.0]),
-                     in_place_buckets=min(getattr(self.transport, "in_place_buckets", None) or [0]),
-                     adopted_buckets=min(getattr(self.transport, "adopted_buckets", None) or [0]))
+                     buckets=pipe.buckets, encode_s=encode_s, **self._engine_answers())
         total_s = time.perf_counter() - start
         return {"mode": "delta" if delta else "full", "checksums": checksums,
                 "metrics": self._metrics(stats, total_s, delta)}
+
+    def _engine_answers(self) -> dict[str, float]:
+        """What the engines' answers to this push said (the dist transport reads them per bucket): the longest
+        load, and the fewest buckets any engine received in place or into a fresh region."""
+        from raygym.weightsync.transport_dist import DistTransport
+
+        if not isinstance(self.transport, DistTransport):
+            return {"apply_s": 0.0, "in_place_buckets": 0, "adopted_buckets": 0}
+        t = self.transport
+        return {"apply_s": max(t.apply_s, default=0.0), "in_place_buckets": min(t.in_place_buckets, default=0),
+                "adopted_buckets": min(t.adopted_buckets, default=0)}
 
     def _analyze(self, name: str, tensor: torch.Tensor, delta: bool) -> _Analysis:
         """Decide delta or full for one tensor and do the delta work (thread-safe: reads the snapshot)."""
