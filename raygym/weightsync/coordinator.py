@@ -160,7 +160,7 @@ class WeightSync:
         if observe:
             self.cost_model.observe(SyncSample(mode, raw_bytes=metrics["sync/raw_bytes"],
                                                wire_bytes=metrics["sync/bytes"], seconds=measured_s,
-                                               transfer_s=metrics["sync/transfer_s"]))
+                                               transfer_s=metrics["sync/transfer_s"], setup_s=metrics["sync/setup_s"]))
         predicted = {"full": choice.predicted_full_s, "delta": choice.predicted_delta_s}
         for key, value in (("sync/predicted_s", predicted[mode]), ("sync/predicted_full_s", choice.predicted_full_s),
                            ("sync/predicted_delta_s", choice.predicted_delta_s)):

@@ -19,6 +19,7 @@ weight-loader convention). On disk the two tensors are stored in one safetensors
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -155,6 +156,7 @@ class BucketBuffer:
         self._buf = torch.empty(0, dtype=torch.uint8)
         self.entries: list[ManifestEntry] = []
         self.offset = 0
+        self.grow_s = 0.0  # seconds spent growing the buffer (new memory: a one-time cost)
 
     def fits(self, nbytes: int, itemsize: int = 1) -> bool:
         """Whether an entry of ``nbytes`` (elements of ``itemsize`` bytes) may join this bucket (always
@@ -188,10 +190,13 @@ class BucketBuffer:
         self.offset = 0
 
     def _grow(self, needed: int) -> None:
+        start = time.perf_counter()
         size = max(needed, min(self.max_bytes, 2 * self._buf.numel()))
         bigger = torch.empty(size, dtype=torch.uint8)
         bigger[: self.offset].copy_(self._buf[: self.offset])
+        bigger[self.offset :].zero_()  # the pages are touched now, so their cost is counted in grow_s
         self._buf = bigger
+        self.grow_s += time.perf_counter() - start
 
 
 def unpack_bucket(manifest: Buffer, flat: Buffer) -> tuple[Manifest, list[tuple[ManifestEntry, torch.Tensor]]]:

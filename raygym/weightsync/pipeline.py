@@ -32,7 +32,8 @@ class BucketPipeline:
     def __init__(self, max_bytes: int, depth: int = 2, align: int = ALIGN):
         self.max_bytes = max_bytes
         self.align = align
-        self._free: deque[BucketBuffer] = deque(BucketBuffer(max_bytes, align) for _ in range(depth))
+        self._buffers = [BucketBuffer(max_bytes, align) for _ in range(depth)]
+        self._free: deque[BucketBuffer] = deque(self._buffers)
         self._inflight: deque[tuple[Future, BucketBuffer]] = deque()
         self._pool: ThreadPoolExecutor | None = None
         self._send: SendFn | None = None
@@ -43,6 +44,11 @@ class BucketPipeline:
         self.sent_bytes = 0
         self.transfer_s = 0.0  # time the send thread spent sending
         self.wait_s = 0.0  # time the caller waited for a free buffer (the wire was the bottleneck)
+
+    @property
+    def grow_s(self) -> float:
+        """Seconds its buffers spent growing so far (new memory: a one-time cost of the first pushes)."""
+        return sum(buf.grow_s for buf in self._buffers)
 
     def start(self, send: SendFn, version: int) -> None:
         """Begin a push: ``send(manifest, flat)`` is called in order, one bucket at a time."""

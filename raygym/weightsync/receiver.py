@@ -112,6 +112,7 @@ class InPlaceBucket:
     manifest: Manifest
     shadowed: bool
     fresh: torch.Tensor | None = None
+    alloc_s: float = 0.0  # seconds spent allocating and first touching ``fresh``
 
 
 Received = list[tuple[str, torch.Tensor]] | InPlaceBucket
@@ -280,12 +281,14 @@ class WeightReceiver:
         if region is None:
             if not in_place.adoptable(manifest, holders, device):
                 return [(name, manifest_bytes), *tensors]
-            try:
-                fresh = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=device)
+            start = time.perf_counter()
+            try:  # touched now (zeroed), so the one-time cost of new memory is measured apart from the wire
+                fresh = torch.zeros(manifest.total_bytes, dtype=torch.uint8, device=device)
             except (RuntimeError, MemoryError):  # no room for a region now: receive into scratch and copy
                 return [(name, manifest_bytes), *tensors]
+            alloc_s = time.perf_counter() - start
             broadcast(pg, fresh, self.timeout_s)  # new memory: the weights are untouched until it is checked
-            return InPlaceBucket(manifest, shadowed, fresh)
+            return InPlaceBucket(manifest, shadowed, fresh, alloc_s)
         if shadowed:
             self.shadow.written()
             broadcast(pg, region, self.timeout_s)
@@ -376,14 +379,16 @@ class WeightReceiver:
             self.adopted_buckets += 1
         self.last_apply_s = time.perf_counter() - start
         adopted = bucket.fresh is not None
+        # setup_s: the one-time part (a region allocated, touched, checked and adopted), not a cost of later syncs
+        timing = {"apply_s": self.last_apply_s, "setup_s": bucket.alloc_s + self.last_apply_s if adopted else 0.0}
         if bucket.shadowed:
             self._shadow_version = None if weight_version is None else str(weight_version)
             return _ok("Received the bucket into the shadow copy; /raygym/shadow_switch serves it.",
-                       num_paused_requests=0, apply_s=self.last_apply_s, in_place=not adopted, adopted=adopted)
+                       num_paused_requests=0, in_place=not adopted, adopted=adopted, **timing)
         if weight_version is not None:
             self.weight_version = str(weight_version)
         return _ok(f"Received the bucket into the model weights. Weight version updated to {self.weight_version}.",
-                   num_paused_requests=0, apply_s=self.last_apply_s, in_place=not adopted, adopted=adopted)
+                   num_paused_requests=0, in_place=not adopted, adopted=adopted, **timing)
 
     def update_weights_from_distributed(self, **body: Any) -> dict[str, Any]:
         """Receive and load one request (waits for the requests submitted before it)."""

@@ -223,6 +223,7 @@ class WeightSender:
         stats: dict[str, float] = {"changed": 0, "numel": 0, "raw_bytes": 0}
         checksums: dict[str, str] = {}
         pipe = self._pipeline
+        one_time_before = self.snapshot.alloc_s + pipe.grow_s
         start = time.perf_counter()
         pipe.start(lambda manifest, flat: self.transport.send_bucket(version, manifest, flat), version)
         analyses = Lookahead(ANALYSIS_THREADS if delta else 0, ANALYSIS_LOOKAHEAD)
@@ -249,20 +250,23 @@ class WeightSender:
         self._pending_version = version
         stats.update(bytes=pipe.sent_bytes, transfer_s=pipe.transfer_s + finish_s, wait_s=pipe.wait_s,
                      buckets=pipe.buckets, encode_s=encode_s, **self._engine_answers())
+        # the engines' one-time work runs while this rank encodes: the longer of the two is surely spent on it
+        stats["setup_s"] = max(stats["setup_s"], self.snapshot.alloc_s + pipe.grow_s - one_time_before)
         total_s = time.perf_counter() - start
         return {"mode": "delta" if delta else "full", "checksums": checksums,
                 "metrics": self._metrics(stats, total_s, delta)}
 
     def _engine_answers(self) -> dict[str, float]:
         """What the engines' answers to this push said (the dist transport reads them per bucket): the longest
-        load, and the fewest buckets any engine received in place or into a fresh region."""
+        load, the fewest buckets any engine received in place or into a fresh region, and the longest one-time
+        setup (fresh regions allocated, touched, checked and adopted)."""
         from raygym.weightsync.transport_dist import DistTransport
 
         if not isinstance(self.transport, DistTransport):
-            return {"apply_s": 0.0, "in_place_buckets": 0, "adopted_buckets": 0}
+            return {"apply_s": 0.0, "in_place_buckets": 0, "adopted_buckets": 0, "setup_s": 0.0}
         t = self.transport
         return {"apply_s": max(t.apply_s, default=0.0), "in_place_buckets": min(t.in_place_buckets, default=0),
-                "adopted_buckets": min(t.adopted_buckets, default=0)}
+                "adopted_buckets": min(t.adopted_buckets, default=0), "setup_s": max(t.setup_s, default=0.0)}
 
     def _analyze(self, name: str, tensor: torch.Tensor, delta: bool) -> _Analysis:
         """Decide delta or full for one tensor and do the delta work (thread-safe: reads the snapshot)."""
@@ -361,6 +365,7 @@ class WeightSender:
             "sync/buckets": float(stats["buckets"]),
             "sync/in_place_buckets": float(stats["in_place_buckets"]),  # on every engine (raygym's server)
             "sync/adopted_buckets": float(stats["adopted_buckets"]),  # received into new regions (first syncs)
+            "sync/setup_s": stats["setup_s"],  # one-time work: new memory allocated and first touched
             "sync/total_s": total_s,
             "sync/gbps": moved / 1e9 / max(total_s, 1e-9),
             "sync/mode": 1.0 if delta else 0.0,

@@ -26,6 +26,7 @@ once every engine acknowledged and verified the new version:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -50,6 +51,7 @@ class WeightSnapshot:
         self._new: dict[str, torch.Tensor] = {}
         self._dirty = False
         self.version: int | None = None
+        self.alloc_s = 0.0  # seconds spent allocating (and first filling) tensors it did not hold yet
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors
@@ -79,7 +81,7 @@ class WeightSnapshot:
         """
         old = self._tensors.get(name)
         if old is None or old.shape != new.shape or old.dtype != new.dtype:
-            self._new[name] = _cpu_copy(new)
+            self._adopt_copy(name, new)
             return
         if delta is None:
             positions = changed_positions_np(new, old)
@@ -94,11 +96,18 @@ class WeightSnapshot:
         """Copy ``new`` into the snapshot's tensor now (dense change; see the module docstring)."""
         old = self._tensors.get(name)
         if old is None or old.shape != new.shape or old.dtype != new.dtype:
-            self._new[name] = _cpu_copy(new)
+            self._adopt_copy(name, new)
             return
         self._sparse.pop(name, None)
         self._dirty = True
         copy_bytes(old, new.detach().contiguous())
+
+    def _adopt_copy(self, name: str, new: torch.Tensor) -> None:
+        """A copy of a tensor the snapshot does not hold (or holds in another shape), adopted on commit;
+        its time goes to ``alloc_s`` (new memory is first touched here: a one-time cost)."""
+        start = time.perf_counter()
+        self._new[name] = _cpu_copy(new)
+        self.alloc_s += time.perf_counter() - start
 
     def commit(self, version: int) -> None:
         """Apply every staged change in place: all engines now hold ``version``."""

@@ -24,9 +24,12 @@ A full sync keeps the sender's delta snapshot up to date only when a delta may f
 (:attr:`ModeChoice.refresh_snapshot`): copying every weight into it costs about a tenth of a full sync
 on one host, which would be wasted while full stays the cheaper mode.
 
-The first sync of each mode pays one-time costs (buffers allocated, pages touched, threads started),
-so the second sample of a mode replaces the first instead of averaging with it, and a mode measured
-only once is measured again when its prediction is within ``warmup_factor`` of the better one.
+The first sync pays one-time costs. Those the components time themselves (new memory allocated and first
+touched: the sender's snapshot and bucket buffers, the engines' fresh regions; ``SyncSample.setup_s``)
+are left out of its sample: on one host they made the seeding full sync 4x a later one, enough to
+hide that full was the cheaper mode. For what is left (threads started, caches cold) the second sample
+of a mode replaces the first instead of averaging with it, and a mode measured only once is measured
+again when its prediction is within ``warmup_factor`` of the better one.
 
 >>> model = SyncCostModel()
 >>> model.observe(SyncSample("full", raw_bytes=200e6, wire_bytes=200e6, seconds=2.0, transfer_s=1.9))
@@ -50,7 +53,9 @@ class SyncSample:
 
     ``raw_bytes``: every weight in the engines' dtype (what a full sync moves); ``wire_bytes``: what
     this sync moved; ``seconds``: the measured sync; ``transfer_s``: the part spent on the wire
-    (sending, and the engines loading what they received).
+    (sending, and the engines loading what they received); ``setup_s``: one-time work inside it that
+    later syncs of either mode do not repeat (memory allocated and first touched: the sender's snapshot
+    and bucket buffers, the engines' fresh regions), left out of the estimates.
     """
 
     mode: str
@@ -58,6 +63,7 @@ class SyncSample:
     wire_bytes: float
     seconds: float
     transfer_s: float
+    setup_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -119,13 +125,14 @@ class SyncCostModel:
             return
         seen = self._seen[sample.mode]
         w = 1.0 if seen <= 1 else self.smoothing  # the second sample replaces the warm-up one
+        seconds = max(0.0, sample.seconds - sample.setup_s)
         if sample.mode == "full":
-            self.full_s_per_byte = _blend(self.full_s_per_byte, sample.seconds / sample.raw_bytes, w)
+            self.full_s_per_byte = _blend(self.full_s_per_byte, seconds / sample.raw_bytes, w)
             if sample.wire_bytes > 0:
                 self.wire_s_per_byte = _blend(self.wire_s_per_byte, sample.transfer_s / sample.wire_bytes, w)
         else:
             wire_s = (self.wire_s_per_byte or 0.0) * sample.wire_bytes
-            fixed = max(0.0, sample.seconds - wire_s) / sample.raw_bytes
+            fixed = max(0.0, seconds - wire_s) / sample.raw_bytes
             self.delta_fixed_s_per_byte = _blend(self.delta_fixed_s_per_byte, fixed, w)
             self.delta_payload_ratio = sample.wire_bytes / sample.raw_bytes  # exact, not noisy: the latest
         self.samples += 1

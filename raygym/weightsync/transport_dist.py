@@ -221,9 +221,12 @@ class DistTransport:
         self.apply_s = [0.0] * len(self.engines)  # per engine, this push: seconds its loads took (its answers)
         self.in_place_buckets = [0] * len(self.engines)  # per engine, this push: buckets received into the weights
         self.adopted_buckets = [0] * len(self.engines)  # ... into a fresh region that became the weights' storage
+        self.setup_s = [0.0] * len(self.engines)  # per engine, this push: one-time seconds (fresh regions)
         self.group_name = ""
         self._pg: Any = None
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.engines)), thread_name_prefix="raygym-ws")
+        # two buckets' requests are open at once (k+1 is posted while k's answers are awaited): a thread each, so
+        # request k+1 reaches the engines while they still receive k, not a round trip after k's answer
+        self._pool = ThreadPoolExecutor(max_workers=max(1, 2 * len(self.engines)), thread_name_prefix="raygym-ws")
 
     @property
     def connected(self) -> bool:
@@ -269,6 +272,7 @@ class DistTransport:
         self.apply_s = [0.0] * len(self.engines)
         self.in_place_buckets = [0] * len(self.engines)
         self.adopted_buckets = [0] * len(self.engines)
+        self.setup_s = [0.0] * len(self.engines)
 
     def send_bucket(self, version: int, manifest: torch.Tensor, flat: torch.Tensor) -> None:
         """Post the receive request to every engine, broadcast manifest then buffer.
@@ -328,6 +332,7 @@ class DistTransport:
                 self.apply_s[i] += float(answer.get("apply_s") or 0.0)
                 self.in_place_buckets[i] += int(bool(answer.get("in_place")))
                 self.adopted_buckets[i] += int(bool(answer.get("adopted")))
+                self.setup_s[i] += float(answer.get("setup_s") or 0.0)
 
     def close_group(self) -> None:
         """Leave the current group (engines are asked to destroy theirs; failures are ignored)."""

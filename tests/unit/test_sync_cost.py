@@ -164,6 +164,21 @@ def test_a_warm_up_sample_is_replaced_not_averaged():
     assert run(model, link, 5).count("full") >= 4
 
 
+def test_one_time_setup_is_left_out_so_a_cold_seed_does_not_hide_the_cheaper_full():
+    link = Link(wire=0.4e-9, cpu=1.5e-9)  # loopback-like: full 0.14 s, delta 0.31 s
+    warm = link.sample("full")
+    setup = 4 * warm.seconds  # the seeding sync allocated and first touched every buffer and region
+    cold = SyncSample("full", RAW, RAW, warm.seconds + setup, warm.transfer_s, setup_s=setup)
+    model = SyncCostModel()
+    model.observe(cold)
+    assert model.predict("full", RAW) == pytest.approx(warm.seconds)
+    assert run(model, link, 10).count("full") >= 8  # only the never-measured delta is explored early on
+
+    blind = SyncCostModel()  # the same seed without its setup reported: full looks 5x dearer than it is
+    blind.observe(SyncSample("full", RAW, RAW, cold.seconds, cold.transfer_s))
+    assert run(blind, link, 10).count("full") <= 2
+
+
 def test_a_single_possible_mode_is_always_chosen():
     model = SyncCostModel(modes=("full",))
     model.observe(SLOW.sample("full"))

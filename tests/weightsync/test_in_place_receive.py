@@ -51,6 +51,7 @@ def test_full_syncs_land_in_place_once_the_layout_is_adopted(servers, tiny_model
                       spec_overrides={"master_address": "127.0.0.1", "backend": "gloo"})
     sync.setup()
     history = []
+    setups = []  # one-time seconds (new memory: the sender's snapshot and buffers, the engines' regions)
     try:
         for version in (1, 2, 3, 4):
             trainer.train_step()
@@ -63,6 +64,7 @@ def test_full_syncs_land_in_place_once_the_layout_is_adopted(servers, tiny_model
                 assert answer["weight_version"] == str(version) and answer["checksums"] == want
             history.append((int(metrics["sync/adopted_buckets"]), int(metrics["sync/in_place_buckets"]),
                             int(metrics["sync/buckets"])))
+            setups.append(metrics["sync/setup_s"])
         ids = [[5, 9, 13, 2, 7, 11]]
         with torch.no_grad():
             want_ids = trainer.model.generate(torch.tensor(ids), max_new_tokens=6, do_sample=False)[0, 6:].tolist()
@@ -81,6 +83,7 @@ def test_full_syncs_land_in_place_once_the_layout_is_adopted(servers, tiny_model
         assert in_place == 0 and buckets - 1 <= adopted <= buckets, history
     for adopted, in_place, buckets in history[adopting:]:
         assert adopted == 0 and buckets - 1 <= in_place <= buckets, history
+    assert setups[0] > 0.0 and setups[adopting:] == [0.0] * (4 - adopting), setups  # the seed's alone
 
 
 SENDER = """
@@ -129,6 +132,7 @@ def test_a_bad_first_bucket_changes_nothing_and_a_broken_in_place_one_labels_the
         assert receiver.adopted_buckets == 0
         first = receiver.submit_distributed(**body, weight_version="1").result(timeout=60)
         assert first["success"] and receiver.adopted_buckets == 1, first  # a fresh region, then the layout
+        assert first["setup_s"] >= first["apply_s"] > 0.0, first  # one-time: allocated, checked, adopted
         second = receiver.submit_distributed(**body, weight_version="2").result(timeout=60)
         assert receiver.in_place_buckets == 0
         assert second["success"] is False and INCOMPLETE in second["message"], second

@@ -1,0 +1,72 @@
+"""The sender posts bucket k+1's request while bucket k's answer is still outstanding, so an engine holds the
+next request before it finishes the current one (no request round trip between two buckets on the wire).
+
+The link to a real raygym server here hands the transport answer k only once the transport posted request
+k+1: a sender that waited for answer k before posting k+1 would never get there, and every held answer
+would give up after ``HOLD_S``."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import httpx
+
+from raygym.config import Recipe
+from raygym.weightsync.codec import checksum
+from raygym.weightsync.coordinator import WeightSync
+from raygym.weightsync.engine_link import HttpEngineLink
+from tests.weightsync.local_trainer import LocalTrainer
+from tests.weightsync.raygym_servers import raygym_servers
+
+HOLD_S = 20.0  # how long an answer is held waiting for the next request (a serialising sender runs into it)
+REQUEST = "update_weights_from_distributed"
+
+
+class AnswersAfterTheNextRequest:
+    """An engine link; while ``hold_answers`` is set (the number of requests of the push), the answer to each
+    weight request but the last is handed back only once the next request was posted."""
+
+    def __init__(self, inner: HttpEngineLink):
+        self.inner, self.name = inner, inner.name
+        self.hold_answers = 0
+        self.posted: list[threading.Event] = []
+        self.held: list[bool] = []  # per held answer: the next request came (True) or it gave up (False)
+        self._lock = threading.Lock()
+
+    def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
+        if endpoint.strip("/") != REQUEST or not self.hold_answers:
+            return self.inner.call(endpoint, payload, timeout, method)
+        with self._lock:
+            index = len(self.posted)
+            self.posted.append(threading.Event())
+            if index > 0:
+                self.posted[index - 1].set()  # the request before this one may be answered now
+        answer = self.inner.call(endpoint, payload, timeout, method)
+        if index < self.hold_answers - 1:
+            came = self.posted[index].wait(HOLD_S)
+            with self._lock:
+                self.held.append(came)
+        return answer
+
+
+def test_request_k_plus_1_is_posted_before_answer_k_is_in(tiny_model_path):
+    trainer = LocalTrainer(tiny_model_path, lr=1e-3)
+    recipe = Recipe(update_weight_transport="nccl", update_weight_mode="full", update_weight_buffer_size=64 * 1024,
+                    update_weight_timeout=60.0, update_weight_full_interval=0, colocate=False)
+    with raygym_servers(tiny_model_path, 1, "float32") as (url,):
+        link = AnswersAfterTheNextRequest(HttpEngineLink(url, "held-answers"))
+        sync = WeightSync(recipe, [trainer], [link], spec_overrides={"master_address": "127.0.0.1", "backend": "gloo"})
+        sync.setup()
+        try:
+            buckets = int(sync.push(1)["sync/buckets"])  # answers pass at once; the next push has as many buckets
+            assert buckets >= 4, buckets  # enough for the pipelining to matter
+            link.hold_answers = buckets
+            trainer.train_step()
+            metrics = sync.push(2)
+            assert metrics["sync/buckets"] == buckets and metrics["sync/full_resyncs"] == 0.0
+            assert sorted(link.held) == [True] * (buckets - 1), link.held
+            got = httpx.post(f"{url}/raygym/weights_checksum", json={"names": None}, timeout=30).json()
+            assert got == {"weight_version": "2", "checksums": {n: checksum(t) for n, t in trainer.hf_weights()}}
+        finally:
+            sync.shutdown()
