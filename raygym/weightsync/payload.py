@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -82,7 +82,7 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         doc = {"format": FORMAT, "version": self.version, "total_bytes": self.total_bytes,
-               "tensors": [asdict(e) for e in self.entries]}
+               "tensors": [vars(e) for e in self.entries]}  # not asdict: it deep-copies (~0.1 ms an entry)
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -176,7 +176,8 @@ class BucketBuffer:
         """Record the entry just written into the reserved slot."""
         self.entries.append(ManifestEntry(name, list(shape), dtype, encoding, self.offset, nbytes, digest))
         pad_end = self.offset + packed_size(nbytes, self.align)
-        self._buf[self.offset + nbytes : pad_end].zero_()
+        if pad_end > self.offset + nbytes:
+            self._buf[self.offset + nbytes : pad_end].zero_()
         self.offset = pad_end
 
     def finish(self, version: int) -> tuple[torch.Tensor, torch.Tensor]:
