@@ -211,6 +211,7 @@ def serving_pause(versions, config, args, emit) -> None:
                  baseline=sync_s, ratio=summary[double_buffer] / sync_s,
                  ratio_is="rollout pause per sync (longest per-client completion gap overlapping the sync minus "
                           "the median gap away from syncs) / sync duration",
+                 median_pause_s=statistics.median(max(0.0, g - quiet) for g in gaps),
                  median_request_gap_s=quiet, engine_reported_pause_s=statistics.mean(r["reported"]),
                  gaps=gaps, syncs=len(r["windows"]), clients=CLIENTS, new_tokens=NEW_TOKENS, pause_mode="in_place")
         emit("serving_pause_double_buffered_vs_paused", summary[True], baseline=summary[False],

@@ -27,9 +27,11 @@ on one host, which would be wasted while full stays the cheaper mode.
 The first sync pays one-time costs. Those the components time themselves (new memory allocated and first
 touched: the sender's snapshot and bucket buffers, the engines' fresh regions; ``SyncSample.setup_s``)
 are left out of its sample: on one host they made the seeding full sync 4x a later one, enough to
-hide that full was the cheaper mode. For what is left (threads started, caches cold) the second sample
-of a mode replaces the first instead of averaging with it, and a mode measured only once is measured
-again when its prediction is within ``warmup_factor`` of the better one.
+hide that full was the cheaper mode. For what is left (threads started, caches cold, a lazily created
+communicator) the second sample of a mode replaces the first instead of averaging with it, and the mode of
+the first sync, while measured only once, is measured again when its prediction is within
+``warmup_factor`` of the better one. The other mode's first sample runs on a warm system and is trusted
+(re-measuring it cost one needless sync of the dearer mode per run).
 
 >>> model = SyncCostModel()
 >>> model.observe(SyncSample("full", raw_bytes=200e6, wire_bytes=200e6, seconds=2.0, transfer_s=1.9))
@@ -112,6 +114,7 @@ class SyncCostModel:
     _spent_since: dict[str, float] = field(default_factory=lambda: {m: 0.0 for m in MODES})
     _seen: dict[str, int] = field(default_factory=lambda: {m: 0 for m in MODES})
     _incumbent: str | None = None
+    _cold_mode: str | None = None  # the mode of the first sync observed (the one run on a cold system)
 
     def __post_init__(self) -> None:
         if not self.modes or any(m not in MODES for m in self.modes):
@@ -124,6 +127,8 @@ class SyncCostModel:
         if sample.raw_bytes <= 0 or sample.seconds < 0:
             return
         seen = self._seen[sample.mode]
+        if self.samples == 0:
+            self._cold_mode = sample.mode
         w = 1.0 if seen <= 1 else self.smoothing  # the second sample replaces the warm-up one
         seconds = max(0.0, sample.seconds - sample.setup_s)
         if sample.mode == "full":
@@ -167,7 +172,8 @@ class SyncCostModel:
         if incumbent == other and costs[best] > (1 - self.switch_margin) * costs[incumbent]:
             best, other, reason = other, best, "kept"  # not clearly cheaper: stay
         loss = abs(full - delta)
-        warming = self._seen[other] == 1 and min(full, delta) * self.warmup_factor >= max(full, delta)
+        warming = (other == self._cold_mode and self._seen[other] == 1
+                   and min(full, delta) * self.warmup_factor >= max(full, delta))
         if warming or loss <= self.explore_budget * self._spent_since[other]:
             return ModeChoice(other, "explore", full, delta)
         self._incumbent = best
@@ -176,6 +182,6 @@ class SyncCostModel:
 
     def _delta_may_follow(self, full: float, delta: float) -> bool:
         """After a full sync now, could the next sync be a delta (so the snapshot must be kept)?"""
-        if self._seen["delta"] <= 1 or delta < full:
+        if (self._cold_mode == "delta" and self._seen["delta"] <= 1) or delta < full:
             return True  # still warming up, or cheaper already (kept out only by the switch margin)
         return abs(full - delta) <= self.explore_budget * (self._spent_since["delta"] + full)

@@ -179,6 +179,22 @@ def test_one_time_setup_is_left_out_so_a_cold_seed_does_not_hide_the_cheaper_ful
     assert run(blind, link, 10).count("full") <= 2
 
 
+def test_only_the_first_syncs_mode_gets_a_warm_up_re_measure():
+    link = Link(wire=0.4e-9, cpu=1.5e-9)  # full 0.14 s, delta 0.31 s: within the 2x warm-up factor
+    model = SyncCostModel()
+    model.observe(link.sample("full"))  # the first sync (forced full): the cold one
+    assert run(model, link, 1) == ["delta"]  # never measured: explored once
+    # delta's one sample was taken on a warm system: trusted, so full is kept until the budget allows a retry
+    assert run(model, link, 6) == ["full"] * 6
+
+    close = Link(wire=1.0e-9, cpu=1.8e-9)  # full 0.26 s, delta 0.37 s
+    cold_delta = SyncCostModel()
+    cold_delta.observe(close.sample("delta"))  # a run whose first sync is a delta (a resumed snapshot)
+    cold_delta.observe(close.sample("full"))
+    choice = cold_delta.choose(RAW)
+    assert (choice.mode, choice.reason) == ("delta", "explore")  # the cold mode is measured once more
+
+
 def test_a_single_possible_mode_is_always_chosen():
     model = SyncCostModel(modes=("full",))
     model.observe(SLOW.sample("full"))
