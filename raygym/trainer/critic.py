@@ -85,8 +85,10 @@ def load_value_model(path: str, device: torch.device, config: PretrainedConfig |
     the body with (default: the checkpoint's own)."""
     from transformers import AutoModel
 
-    kwargs = {"config": config} if config is not None else {}
-    body = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa", **kwargs)
+    if config is None:
+        body = AutoModel.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    else:
+        body = AutoModel.from_pretrained(path, config=config, dtype=torch.float32, attn_implementation="sdpa")
     body.config.use_cache = False
     model = ValueModel(body)
     head = saved_value_head(path)
