@@ -58,6 +58,7 @@ from raygym.weightsync.engine_link import EngineLink, as_link
 from raygym.weightsync.payload import ALIGN, FULL
 from raygym.weightsync.pipeline import BucketPipeline, Lookahead
 from raygym.weightsync.snapshot import WeightSnapshot
+from raygym.weightsync.transport import Transport
 
 MODES = ("full", "delta", "auto")
 TRANSPORTS = ("nccl", "disk", "ipc")
@@ -182,7 +183,7 @@ class WeightSender:
         self.spec = spec
         self.links: list[EngineLink] = [as_link(e, i) for i, e in enumerate(spec.engines)]
         self.snapshot = WeightSnapshot()
-        self.transport = self._make_transport()
+        self.transport: Transport = self._make_transport()
         self._cast = dtype_from_name(spec.cast_dtype) if spec.cast_dtype else None
         self._pending_version: int | None = None
         self._refresh = False  # the last push updated the snapshot
@@ -190,7 +191,9 @@ class WeightSender:
 
     def bucket_bytes(self) -> int:
         """Bytes per bucket: ``buffer_size``, capped at :data:`GLOO_BUCKET_BYTES` on CPU gloo."""
-        if getattr(self.transport, "backend", None) == "gloo":
+        from raygym.weightsync.transport_dist import DistTransport
+
+        if isinstance(self.transport, DistTransport) and self.transport.backend == "gloo":
             return min(self.spec.buffer_size, GLOO_BUCKET_BYTES)
         return self.spec.buffer_size
 
@@ -217,7 +220,7 @@ class WeightSender:
         self._refresh = self.spec.keeps_snapshot and (delta or refresh_snapshot)
         if not self._refresh:
             self.snapshot.invalidate()
-        if not getattr(self.transport, "connected", True):
+        if not self.transport.connected:
             self.transport.connect()
         self.transport.begin(version)
         stats: dict[str, float] = {"changed": 0, "numel": 0, "raw_bytes": 0}
@@ -325,14 +328,13 @@ class WeightSender:
 
     def reconnect(self) -> dict[str, Any]:
         """Form the group again (e.g. after an engine restarted); the next push should be full."""
-        if hasattr(self.transport, "close_group"):
-            self.transport.close_group()
+        self.transport.close_group()
         return self.setup()
 
     def close(self) -> None:
         self.transport.close()
 
-    def _make_transport(self):
+    def _make_transport(self) -> Transport:
         spec = self.spec
         address = spec.master_address or _node_ip()
         fmt = "flattened_bucket" if spec.hf_tensors else "raygym_bucket"

@@ -173,6 +173,9 @@ class DiskTransport:
     def connected(self) -> bool:
         return True
 
+    def close_group(self) -> None:
+        """No connection state to drop."""
+
     def connect(self) -> None:
         self.fs.makedirs(self._root, exist_ok=True)
 

@@ -85,6 +85,9 @@ class IpcTransport:
     def connected(self) -> bool:
         return True
 
+    def close_group(self) -> None:
+        """No connection state to drop."""
+
     def connect(self) -> None:
         """Nothing to set up: handles are created per bucket."""
 
