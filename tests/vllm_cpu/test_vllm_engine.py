@@ -116,8 +116,12 @@ def test_pause_abort_continue_flush_release_resume(engine):
     thread = threading.Thread(target=lambda: result.update(out=generate(engine, long, max_new_tokens=240)))
     thread.start()
     deadline = time.monotonic() + 60
-    while stats(engine)["running"] < len(long) and time.monotonic() < deadline:
+    seen = []
+    while (running := stats(engine)["running"]) < len(long) and time.monotonic() < deadline:
+        seen.append(running)
         time.sleep(0.02)
+    # all of them in flight at the pause; else the batch may finish first and nothing is left to abort
+    assert running == len(long), f"only {max(seen, default=0)} of {len(long)} requests were ever in flight: {seen[-20:]}"
     assert engine.call("pause_generation", mode="abort")["status"] == "ok"
     thread.join(60)
     reasons = [a["meta_info"]["finish_reason"]["type"] for a in result["out"]]
