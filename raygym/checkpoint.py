@@ -292,8 +292,7 @@ def write_hf_model(model_state: dict[str, torch.Tensor], hf_source: str, out_url
     model.load_state_dict(model_state, strict=False, assign=True)
     if any(p.is_meta for p in model.parameters()):
         model = _load_file_named_state(model_state, hf_source)
-    if getattr(config, "tie_word_embeddings", False):
-        model.tie_weights()
+    model.tie_weights()  # ties only what the config declares tied (tie_word_embeddings)
     fs, root = fsspec.core.url_to_fs(out_url)
     local = _is_local(fs)
     target = root if local else tempfile.mkdtemp(prefix="raygym-hf-")

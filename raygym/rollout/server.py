@@ -50,6 +50,7 @@ from raygym.rollout.protocol import STATE_CHANGING, Endpoint
 from raygym.rollout.server_http import BadRequest, guard_middleware, handles_errors, parse
 from raygym.rollout.server_weights import WeightRoutes
 from raygym.weightsync.codec import checksum as tensor_checksum
+from raygym.weightsync.codec import dtype_from_name
 from raygym.weightsync.receiver import WeightReceiver
 from raygym.weightsync.sources import WeightSources
 
@@ -77,6 +78,22 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def checkpoint_dtype(config: dict[str, Any]) -> torch.dtype | None:
+    """The dtype a HF config (``config.json`` as a dict) declares: ``dtype`` (transformers 5) or
+    ``torch_dtype`` (earlier); None when it names none or one raygym does not know.
+
+    >>> checkpoint_dtype({"torch_dtype": "bfloat16"}), checkpoint_dtype({"dtype": "float32"}), checkpoint_dtype({})
+    (torch.bfloat16, torch.float32, None)
+    """
+    name = config.get("dtype") or config.get("torch_dtype")
+    if not isinstance(name, str):
+        return None
+    try:
+        return dtype_from_name(name)
+    except ValueError:
+        return None
+
+
 def resolve_dtype(dtype: str, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
     """``auto``: the checkpoint's dtype on GPU; float32 on CPU (half precision is slow there)."""
     if dtype != "auto":
@@ -101,10 +118,7 @@ def load_model(model_path: str, device: torch.device, dtype: str) -> tuple[PreTr
 
     if is_builtin(model_path):
         model_path = materialize_model(model_path, tempfile.mkdtemp(prefix="raygym-model-"))
-    config = AutoConfig.from_pretrained(model_path)
-    config_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(config_dtype, str):
-        config_dtype = getattr(torch, config_dtype, None)
+    config_dtype = checkpoint_dtype(AutoConfig.from_pretrained(model_path).to_dict())
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype, config_dtype, device))
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' decorator types `to` as unbound
     try:
@@ -373,8 +387,8 @@ class InferenceServer:
             "weight_version": self.weight_version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
-            "model_type": getattr(config, "model_type", None),
-            "architectures": getattr(config, "architectures", None),
+            "model_type": config.model_type,
+            "architectures": config.architectures,
             "device": str(self._device),
             "max_running_requests": self.engine.max_running_requests,
         })
