@@ -38,9 +38,14 @@ def vllm_python() -> str:
     return python
 
 
+LONG_CONTEXT = 2048
+
+
 @pytest.fixture(scope="session")
 def vllm_model(tmp_path_factory) -> str:
-    """The builtin tiny Qwen3 with head_dim 32 (random weights, character tokenizer) as a HF directory."""
+    """The builtin tiny Qwen3 with head_dim 32 (random weights, character tokenizer) as a HF directory; its context
+    is 2048 tokens, so a batch decoding to the end runs long enough to be caught in flight."""
     from raygym.builtin import TINY_MODEL, materialize_model
 
-    return materialize_model(TINY_MODEL, tmp_path_factory.mktemp("vllm-model"), seed=0, head_dim=32)
+    return materialize_model(TINY_MODEL, tmp_path_factory.mktemp("vllm-model"), seed=0, head_dim=32,
+                             max_position_embeddings=LONG_CONTEXT)

@@ -19,6 +19,7 @@ from raygym.rollout.auth import use_engine_api_key
 from raygym.rollout.engine import EngineActor
 from raygym.rollout.vllm_server import cpu_dtype
 from raygym.weightsync.coordinator import WeightSync
+from tests.vllm_cpu.conftest import LONG_CONTEXT
 from tests.weightsync.local_trainer import LocalTrainer
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(1500)]
@@ -28,7 +29,7 @@ API_KEY = "vllm-cpu-test-key"
 def recipe(python: str, **over) -> Recipe:
     fields = dict(rollout_engine="vllm", rollout_engine_python=python, colocate=False, actor_num_gpus_per_node=1,
                   rollout_num_gpus=1, rollout_batch_size=4, n_samples_per_prompt=2, global_batch_size=8,
-                  rollout_max_response_len=240, rollout_max_prompt_len=16, eval_interval=None,
+                  rollout_max_response_len=LONG_CONTEXT - 16, rollout_max_prompt_len=16, eval_interval=None,
                   update_weight_timeout=120.0, update_weight_buffer_size=64 * 1024)
     fields.update(over)
     return Recipe(**fields)
@@ -110,16 +111,18 @@ def test_every_route_needs_the_api_key_but_health(engine):
 
 
 def test_pause_abort_continue_flush_release_resume(engine):
-    # requests in flight are returned, aborted, by a pause in "abort" mode
+    # requests in flight are returned, aborted, by a pause in "abort" mode; decoding to the end of the context
+    # keeps the batch running for seconds (at 240 tokens it was done in 1 s, between two answers of a busy adapter)
     result: dict = {}
     long = [[5, 6 + i % 20] for i in range(32)]
-    thread = threading.Thread(target=lambda: result.update(out=generate(engine, long, max_new_tokens=240)))
+    thread = threading.Thread(target=lambda: result.update(out=generate(engine, long, max_new_tokens=LONG_CONTEXT - 8)))
     thread.start()
     deadline = time.monotonic() + 60
     seen = []
-    while (running := stats(engine)["running"]) < len(long) and time.monotonic() < deadline:
-        seen.append(running)
-        time.sleep(0.02)
+    with stats_client() as client:
+        while (running := stats(engine, client)["running"]) < len(long) and time.monotonic() < deadline:
+            seen.append(running)
+            time.sleep(0.02)
     # all of them in flight at the pause; else the batch may finish first and nothing is left to abort
     assert running == len(long), f"only {max(seen, default=0)} of {len(long)} requests were ever in flight: {seen[-20:]}"
     assert engine.call("pause_generation", mode="abort")["status"] == "ok"
@@ -138,9 +141,16 @@ def test_pause_abort_continue_flush_release_resume(engine):
     assert len(generate(engine, [[5, 6]])[0]["output_ids"]) == 6
 
 
-def stats(engine: EngineActor) -> dict:
+def stats_client() -> httpx.Client:
+    return httpx.Client(headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+
+
+def stats(engine: EngineActor, client: httpx.Client | None = None) -> dict:
     """The adapter's ``/raygym/stats``: requests in flight, paused, released."""
-    return httpx.get(f"{engine.url()}/raygym/stats", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
+    if client is None:
+        with stats_client() as own:
+            return own.get(f"{engine.url()}/raygym/stats").json()
+    return client.get(f"{engine.url()}/raygym/stats").json()
 
 
 def make_sync(engine, vllm_python, trainer, cast_dtype=None, **over) -> WeightSync:
