@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from raygym.weightsync.payload import ALIGN, BucketBuffer
+from raygym.weightsync.payload import ALIGN, FULL, BucketBuffer, Manifest, ManifestEntry, packed_size
 
 SendFn = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -34,9 +34,10 @@ class BucketPipeline:
         self.align = align
         self._buffers = [BucketBuffer(max_bytes, align) for _ in range(depth)]
         self._free: deque[BucketBuffer] = deque(self._buffers)
-        self._inflight: deque[tuple[Future, BucketBuffer]] = deque()
+        self._inflight: deque[tuple[Future, BucketBuffer | None]] = deque()  # None: sent from its own memory
         self._pool: ThreadPoolExecutor | None = None
         self._send: SendFn | None = None
+        self._announce: SendFn | None = None
         self._version = 0
         self._current: BucketBuffer | None = None
         self._covered = 0  # full bytes of the tensors in the current bucket
@@ -50,9 +51,11 @@ class BucketPipeline:
         """Seconds its buffers spent growing so far (new memory: a one-time cost of the first pushes)."""
         return sum(buf.grow_s for buf in self._buffers)
 
-    def start(self, send: SendFn, version: int) -> None:
-        """Begin a push: ``send(manifest, flat)`` is called in order, one bucket at a time."""
-        self._send, self._version = send, version
+    def start(self, send: SendFn, version: int, announce: SendFn | None = None) -> None:
+        """Begin a push: ``send(manifest, flat)`` is called in order, one bucket at a time; ``announce(manifest,
+        flat)`` (optional) as soon as a bucket is packed, before it waits its turn to be sent. Every announced
+        bucket is sent, even when the push fails (the engines may already expect it)."""
+        self._send, self._version, self._announce = send, version, announce
         self.buckets, self.sent_bytes, self.transfer_s, self.wait_s = 0, 0, 0.0, 0.0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raygym-send")
         self._current = self._take()
@@ -78,6 +81,29 @@ class BucketPipeline:
         assert self._current is not None
         self._current.add(name, shape, dtype, encoding, nbytes, digest)
 
+    def sends_alone(self, nbytes: int) -> bool:
+        """Whether a full entry of ``nbytes`` is sent as a bucket of its own, from its own memory
+        (:meth:`send_alone`): it fills a bucket by itself and needs no padding."""
+        return nbytes >= self.max_bytes and packed_size(nbytes, self.align) == nbytes
+
+    def send_alone(self, name: str, shape: tuple[int, ...], dtype: str, digest: str, data: torch.Tensor) -> None:
+        """Send the contiguous uint8 CPU bytes ``data`` of one full entry as a bucket of its own, straight
+        from its memory: the manifest and bytes on the wire are those of a packed bucket holding only this
+        entry, without the copy into a bucket buffer (an embedding is the largest tensor of most models).
+        ``data`` must stay unchanged until :meth:`finish` returns."""
+        assert self._current is not None and self._pool is not None, "start() first"
+        assert self.sends_alone(data.numel()) and data.dtype == torch.uint8 and data.is_contiguous()
+        if self._current.entries:
+            self._flush()
+        manifest = Manifest(self._version, [ManifestEntry(name, list(shape), dtype, FULL, 0, data.numel(), digest)],
+                            data.numel()).to_bytes()
+        manifest_tensor = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
+        self._submit(manifest_tensor, data, None)
+        while len(self._inflight) >= len(self._buffers):  # no more buckets in flight than with buffers alone
+            start = time.perf_counter()
+            self._retire()
+            self.wait_s += time.perf_counter() - start
+
     def finish(self) -> None:
         """Send the last bucket and wait for every send; raises the first send error."""
         try:
@@ -89,14 +115,16 @@ class BucketPipeline:
             self.close()
 
     def close(self) -> None:
-        """Stop the send thread (waits for a send in progress; used on errors too)."""
+        """Stop the send thread once every queued bucket was sent (used on errors too: a bucket that was
+        announced may be awaited by the engines; after a failed send the rest fail at once)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown(wait=True)
             self._pool = None
         while self._inflight:
             _, buf = self._inflight.popleft()
-            buf.reset()
-            self._free.append(buf)
+            if buf is not None:
+                buf.reset()
+                self._free.append(buf)
         if self._current is not None:
             self._current.reset()
             self._free.append(self._current)
@@ -106,16 +134,23 @@ class BucketPipeline:
         buf = self._current
         assert buf is not None and self._pool is not None
         manifest, flat = buf.finish(self._version)
+        self._submit(manifest, flat, buf)
+        self._current = self._take()
+        self._covered = 0
+
+    def _submit(self, manifest: torch.Tensor, flat: torch.Tensor, buf: BucketBuffer | None) -> None:
+        assert self._pool is not None
+        if self._announce is not None:
+            self._announce(manifest, flat)
         self.buckets += 1
         self.sent_bytes += int(manifest.numel() + flat.numel())
         self._inflight.append((self._pool.submit(self._timed_send, manifest, flat), buf))
-        self._current = self._take()
-        self._covered = 0
 
     def _take(self) -> BucketBuffer:
         if not self._free:
             start = time.perf_counter()
-            self._retire()
+            while not self._free:  # a bucket sent from its own memory frees no buffer
+                self._retire()
             self.wait_s += time.perf_counter() - start
         return self._free.popleft()
 
@@ -124,8 +159,9 @@ class BucketPipeline:
         try:
             self.transfer_s += future.result()
         finally:
-            buf.reset()
-            self._free.append(buf)
+            if buf is not None:
+                buf.reset()
+                self._free.append(buf)
 
     def _timed_send(self, manifest: torch.Tensor, flat: torch.Tensor) -> float:
         start = time.perf_counter()

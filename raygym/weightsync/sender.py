@@ -53,6 +53,7 @@ from raygym.weightsync.codec import (
     dtype_name,
     encode_positions,
     gather_values,
+    tensor_bytes,
 )
 from raygym.weightsync.engine_link import EngineLink, as_link
 from raygym.weightsync.payload import ALIGN, FULL
@@ -228,7 +229,8 @@ class WeightSender:
         pipe = self._pipeline
         one_time_before = self.snapshot.alloc_s + pipe.grow_s
         start = time.perf_counter()
-        pipe.start(lambda manifest, flat: self.transport.send_bucket(version, manifest, flat), version)
+        pipe.start(lambda manifest, flat: self.transport.send_bucket(version, manifest, flat), version,
+                   announce=lambda manifest, flat: self.transport.announce(version, manifest, flat))
         analyses = Lookahead(ANALYSIS_THREADS if delta else 0, ANALYSIS_LOOKAHEAD)
         try:
             for item in analyses.map(lambda nt: self._analyze(nt[0], nt[1].detach(), delta), named_tensors):
@@ -300,10 +302,18 @@ class WeightSender:
             pipe.add(item.name, shape, dtype_name(dtype), self.spec.encoding, size, item.digest)
             self.snapshot.stage(item.name, tensor, item.sparse)
             return _Entry(item.digest, item.changed, numel, full_bytes)
+        flat = tensor.reshape(-1)
+        as_is = tensor.dtype == dtype and flat.is_contiguous() and flat.device.type == "cpu"
+        if as_is and pipe.sends_alone(full_bytes):  # a bucket by itself: sent from the tensor's memory, no packing
+            data = tensor_bytes(flat)
+            digest = checksum(data)
+            pipe.send_alone(item.name, shape, dtype_name(dtype), digest, data)
+            if self._refresh:
+                self.snapshot.overwrite(item.name, tensor)
+            return _Entry(digest, item.changed, numel, full_bytes)
         slot = pipe.reserve(full_bytes, itemsize=dtype.itemsize)
         typed = slot.view(torch.uint8 if dtype == torch.bool else dtype)
-        flat = tensor.reshape(-1)
-        if tensor.dtype == dtype and flat.is_contiguous() and flat.device.type == "cpu":
+        if as_is:
             digest = copy_and_checksum(slot, flat)
         else:  # cast (or move) and pack in one pass, straight into the bucket
             typed.copy_(flat)

@@ -25,6 +25,11 @@ class Transport(Protocol):
         """Prepare to send ``version``."""
         ...
 
+    def announce(self, version: int, manifest: torch.Tensor, flat: torch.Tensor) -> None:
+        """The bucket a later :meth:`send_bucket` will send, in order, once it is packed: the transport may start
+        delivering its request to the engines early (doing nothing is valid). Every announced bucket is sent."""
+        ...
+
     def send_bucket(self, version: int, manifest: torch.Tensor, flat: torch.Tensor) -> None:
         """Hand one bucket (its manifest bytes and its payload buffer) to every engine."""
         ...

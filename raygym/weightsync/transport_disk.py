@@ -188,6 +188,9 @@ class DiskTransport:
         self.fs.makedirs(self._path, exist_ok=True)
         self._shards, self._tensors = [], []
 
+    def announce(self, version: int, manifest: torch.Tensor, flat: torch.Tensor) -> None:
+        """Nothing to start early: each bucket is handed over whole in :meth:`send_bucket`."""
+
     def send_bucket(self, version: int, manifest: torch.Tensor, flat: torch.Tensor) -> None:
         """Write one shard (bucket buffer first, so its entries stay aligned in the file)."""
         key = f"{len(self._shards):05d}"

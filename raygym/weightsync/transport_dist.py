@@ -25,12 +25,14 @@ from __future__ import annotations
 import datetime
 import math
 import socket
+import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -194,6 +196,15 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+class _Announced(NamedTuple):
+    """A packed bucket that will be sent next, and its engines' requests once posted."""
+
+    flat: torch.Tensor
+    payload: dict[str, Any]
+    tensors: list[torch.Tensor]
+    futures: list[Future] | None
+
+
 class DistTransport:
     """Sender side of the ``nccl`` (or ``gloo``) transport.
 
@@ -224,9 +235,13 @@ class DistTransport:
         self.setup_s = [0.0] * len(self.engines)  # per engine, this push: one-time seconds (fresh regions)
         self.group_name = ""
         self._pg: Any = None
-        # two buckets' requests are open at once (k+1 is posted while k's answers are awaited): a thread each, so
-        # request k+1 reaches the engines while they still receive k, not a round trip after k's answer
-        self._pool = ThreadPoolExecutor(max_workers=max(1, 2 * len(self.engines)), thread_name_prefix="raygym-ws")
+        # Three buckets' requests are open at once per engine: k-1 awaiting its answer, k on the wire, and k+1,
+        # posted once k's manifest is through (see :meth:`announce`), so it is queued at the engine by the time
+        # k's buffer is received instead of travelling while the group waits.
+        self._pool = ThreadPoolExecutor(max_workers=max(1, 3 * len(self.engines)), thread_name_prefix="raygym-ws")
+        self._order = threading.Lock()  # guards the two fields below (the packing and the sending thread)
+        self._announced: deque[_Announced] = deque()
+        self._may_post_next = False  # the bucket on the wire has reached every engine: the next may be posted
 
     @property
     def connected(self) -> bool:
@@ -269,31 +284,45 @@ class DistTransport:
     def begin(self, version: int) -> None:
         if self._pg is None:
             self.connect()
+        with self._order:
+            self._announced.clear()
+            self._may_post_next = False
         self.apply_s = [0.0] * len(self.engines)
         self.in_place_buckets = [0] * len(self.engines)
         self.adopted_buckets = [0] * len(self.engines)
         self.setup_s = [0.0] * len(self.engines)
 
     def send_bucket(self, version: int, manifest: torch.Tensor, flat: torch.Tensor) -> None:
-        """Post the receive request to every engine, broadcast manifest then buffer.
+        """Post the receive request to every engine (unless :meth:`announce` already did), broadcast manifest
+        then buffer.
 
         Returns once the bytes are on the wire; the engines' answers are awaited one bucket later
         (while they load bucket k the sender already packs k+1) and all of them in :meth:`finish`.
-        Request k+1 is posted only after bucket k was broadcast, so every engine sees them in order.
+        Request k+1 is posted only after every engine joined bucket k's first broadcast, so every engine sees
+        them in order (see :meth:`announce`).
         """
         if self._pg is None:
             raise WeightSyncError("weight-update group is not connected; call connect() first")
-        payload, tensors = self._request(version, manifest, flat)
-        futures = [self._pool.submit(checked, link, "update_weights_from_distributed", payload, self.timeout_s)
-                   for link in self.engines]
+        with self._order:
+            self._may_post_next = False
+            if self._announced and self._announced[0].flat is flat:
+                _, payload, tensors, futures = self._announced.popleft()
+            else:
+                (payload, tensors), futures = self._request(version, manifest, flat), None
+            if futures is None:
+                futures = self._post(payload)
         device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
         try:
-            for tensor in tensors:
+            for i, tensor in enumerate(tensors):
                 broadcast(self._pg, tensor.to(device), self.timeout_s)
+                if i == 0:  # every engine is in this request now: the next one may travel meanwhile
+                    self._post_next()
         except Exception as exc:
             self._pg = None  # a failed collective leaves the group unusable; reconnect next time
             failed = self._failed(futures, grace_s=1.0)
             self._unanswered.clear()
+            with self._order:
+                self._announced.clear()
             raise WeightSyncError(
                 f"broadcast of version {version} failed ({type(exc).__name__}: {str(exc)[:200]}); "
                 f"engine(s) that did not receive: {', '.join(failed) or 'unknown'}"
@@ -301,6 +330,34 @@ class DistTransport:
         self._unanswered.append((version, futures))
         while len(self._unanswered) > 1:
             self._await_answers()
+
+    def announce(self, version: int, manifest: torch.Tensor, flat: torch.Tensor) -> None:
+        """Bucket ``flat`` is packed and follows the ones announced before it: its requests are posted as soon as
+        the bucket before it has reached every engine (its manifest broadcast is through), so an engine finds
+        request k+1 queued when it has received bucket k. Posting later would keep every engine and the group
+        waiting a request's round trip per bucket. Requests reach each engine in bucket order: a gloo root's
+        broadcast returns only once every receiver joined it (measured: a root broadcasting 100 bytes waits for a
+        receiver that joins 1 s late), so request k arrived before k+1 is posted. On NCCL nothing is announced."""
+        if self.backend != "gloo":
+            return  # a NCCL root may finish its broadcast before the engines joined: nothing says k arrived
+        payload, tensors = self._request(version, manifest, flat)
+        with self._order:
+            early = not self._announced and self._may_post_next
+            self._announced.append(_Announced(flat, payload, tensors, self._post(payload) if early else None))
+            if early:
+                self._may_post_next = False
+
+    def _post_next(self) -> None:
+        with self._order:
+            if self._announced and self._announced[0].futures is None:
+                head = self._announced.popleft()
+                self._announced.appendleft(head._replace(futures=self._post(head.payload)))
+            else:
+                self._may_post_next = not self._announced
+
+    def _post(self, payload: dict[str, Any]) -> list[Future]:
+        return [self._pool.submit(checked, link, "update_weights_from_distributed", payload, self.timeout_s)
+                for link in self.engines]
 
     def _request(self, version: int, manifest: torch.Tensor, flat: torch.Tensor
                  ) -> tuple[dict[str, Any], list[torch.Tensor]]:

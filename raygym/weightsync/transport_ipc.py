@@ -94,6 +94,9 @@ class IpcTransport:
     def begin(self, version: int) -> None:
         """Nothing to prepare per version."""
 
+    def announce(self, version: int, manifest: torch.Tensor, flat: torch.Tensor) -> None:
+        """Nothing to start early: each bucket is handed over whole in :meth:`send_bucket`."""
+
     def send_bucket(self, version: int, manifest: torch.Tensor, flat: torch.Tensor) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
         on_gpu = flat.to(device)  # kept alive until every engine answered: the engines read this memory

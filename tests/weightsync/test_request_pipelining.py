@@ -70,3 +70,60 @@ def test_request_k_plus_1_is_posted_before_answer_k_is_in(tiny_model_path):
             assert got == {"weight_version": "2", "checksums": {n: checksum(t) for n, t in trainer.hf_weights()}}
         finally:
             sync.shutdown()
+
+
+class CountsRequests:
+    """An engine link that signals each weight request as it is posted (``posted[k]``: request k went out)."""
+
+    def __init__(self, inner: HttpEngineLink):
+        self.inner, self.name = inner, inner.name
+        self.posted = [threading.Event() for _ in range(256)]
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
+        if endpoint.strip("/") == REQUEST:
+            with self._lock:
+                self.posted[self._count].set()
+                self._count += 1
+        return self.inner.call(endpoint, payload, timeout, method)
+
+
+def test_request_k_plus_1_travels_while_bucket_k_is_on_the_wire(tiny_model_path, monkeypatch):
+    """Over gloo, request k+1 is posted once bucket k's manifest reached the engine, so it is queued there
+    before bucket k's buffer is through: here the sender's broadcast of buffer k waits until request k+1 was
+    posted, which a sender posting k+1 only after buffer k was sent would never do (each wait gives up)."""
+    from raygym.weightsync import transport_dist
+
+    trainer = LocalTrainer(tiny_model_path, lr=1e-3)
+    recipe = Recipe(update_weight_transport="nccl", update_weight_mode="full", update_weight_buffer_size=64 * 1024,
+                    update_weight_timeout=60.0, update_weight_full_interval=0, colocate=False)
+    with raygym_servers(tiny_model_path, 1, "float32") as (url,):
+        link = CountsRequests(HttpEngineLink(url, "counted"))
+        sync = WeightSync(recipe, [trainer], [link], spec_overrides={"master_address": "127.0.0.1", "backend": "gloo"})
+        sync.setup()
+        try:
+            buckets = int(sync.push(1)["sync/buckets"])
+            assert buckets >= 4, buckets
+            first = link._count  # requests of push 1
+            came: list[bool] = []
+            calls = [0]
+            plain = transport_dist.broadcast
+
+            def broadcast_after_the_next_request(pg: Any, tensor: Any, timeout_s: float) -> None:
+                index, calls[0] = calls[0], calls[0] + 1
+                bucket, is_buffer = divmod(index, 2)
+                if is_buffer and bucket < buckets - 1:  # buffer k: request k+1 should be out already
+                    came.append(link.posted[first + bucket + 1].wait(HOLD_S))
+                plain(pg, tensor, timeout_s)
+
+            monkeypatch.setattr(transport_dist, "broadcast", broadcast_after_the_next_request)
+            trainer.train_step()
+            metrics = sync.push(2)
+            assert metrics["sync/buckets"] == buckets and metrics["sync/full_resyncs"] == 0.0
+            assert came == [True] * (buckets - 1), came
+            got = httpx.post(f"{url}/raygym/weights_checksum", json={"names": None}, timeout=30).json()
+            assert got == {"weight_version": "2", "checksums": {n: checksum(t) for n, t in trainer.hf_weights()}}
+        finally:
+            monkeypatch.undo()
+            sync.shutdown()
