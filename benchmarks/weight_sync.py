@@ -393,7 +393,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="trained steps after the warm-up (syncs cycle through them)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--bucket-mb", type=float, default=32)
+    ap.add_argument("--bucket-mb", type=float, default=512,
+                    help="update_weight_buffer_size in MiB (the recipe's default; capped on gloo as in a run)")
     ap.add_argument("--reps", type=int, default=8, help="repetitions of the full sync and raw baselines (interleaved)")
     ap.add_argument("--syncs", type=int, default=20, help="measured syncs per mode and link (after a seeding one)")
     ap.add_argument("--link-gbit", type=float, nargs="*", default=[10.0, 1.0])

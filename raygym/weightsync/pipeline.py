@@ -57,6 +57,10 @@ class BucketPipeline:
         bucket is sent, even when the push fails (the engines may already expect it)."""
         self._send, self._version, self._announce = send, version, announce
         self.buckets, self.sent_bytes, self.transfer_s, self.wait_s = 0, 0, 0.0, 0.0
+        assert not self._inflight and len(self._free) == len(self._buffers), "the last push was not finished"
+        # every push takes the buffers in the same order, so bucket k lands in the buffer it did last time and
+        # no buffer grows again once the first push is done
+        self._free = deque(self._buffers)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raygym-send")
         self._current = self._take()
         self._covered = 0
@@ -83,8 +87,9 @@ class BucketPipeline:
 
     def sends_alone(self, nbytes: int) -> bool:
         """Whether a full entry of ``nbytes`` is sent as a bucket of its own, from its own memory
-        (:meth:`send_alone`): it fills a bucket by itself and needs no padding."""
-        return nbytes >= self.max_bytes and packed_size(nbytes, self.align) == nbytes
+        (:meth:`send_alone`): it fills at least half a bucket and needs no padding. Packing it would copy
+        most of a bucket to save one bucket's request."""
+        return 2 * nbytes >= self.max_bytes and packed_size(nbytes, self.align) == nbytes
 
     def send_alone(self, name: str, shape: tuple[int, ...], dtype: str, digest: str, data: torch.Tensor) -> None:
         """Send the contiguous uint8 CPU bytes ``data`` of one full entry as a bucket of its own, straight

@@ -63,10 +63,11 @@ from raygym.weightsync.transport import Transport
 
 MODES = ("full", "delta", "auto")
 TRANSPORTS = ("nccl", "disk", "ipc")
-# Bucket cap on CPU gloo. The recipe's 512 MiB suits NCCL on GPUs; on CPU, buckets of 16-64 MiB
-# broadcast as fast as one big buffer (measured here: 0.25-0.33 s vs 0.30-0.42 s for 200 MB to two
-# receivers) and keep the double buffer small and the pipeline busy.
-GLOO_BUCKET_BYTES = 32 * 1024 * 1024
+# Bucket cap on CPU gloo. The recipe's 512 MiB suits NCCL on GPUs; on CPU a bucket is packed while the one
+# before it is on the wire, so the first one delays everything and two buffers stay in host memory. 64 MiB
+# (four buckets for 200 MB to two receivers) came within 0.73-0.86 of one raw broadcast here, 32 MiB (six)
+# within 0.70-0.75: each bucket costs a request and a manifest broadcast.
+GLOO_BUCKET_BYTES = 64 * 1024 * 1024
 
 
 # Delta pushes compare tensors against the snapshot in worker threads (numpy and xxh3 release the
