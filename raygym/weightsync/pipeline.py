@@ -57,7 +57,8 @@ class BucketPipeline:
         bucket is sent, even when the push fails (the engines may already expect it)."""
         self._send, self._version, self._announce = send, version, announce
         self.buckets, self.sent_bytes, self.transfer_s, self.wait_s = 0, 0, 0.0, 0.0
-        assert not self._inflight and len(self._free) == len(self._buffers), "the last push was not finished"
+        if self._pool is not None or self._inflight or self._current is not None:
+            self.close()  # the last push was interrupted (e.g. KeyboardInterrupt) before it could clean up
         # every push takes the buffers in the same order, so bucket k lands in the buffer it did last time and
         # no buffer grows again once the first push is done
         self._free = deque(self._buffers)
