@@ -105,10 +105,8 @@ class BucketPipeline:
                             data.numel()).to_bytes()
         manifest_tensor = torch.frombuffer(bytearray(manifest), dtype=torch.uint8)
         self._submit(manifest_tensor, data, None)
-        while len(self._inflight) >= len(self._buffers):  # no more buckets in flight than with buffers alone
-            start = time.perf_counter()
-            self._retire()
-            self.wait_s += time.perf_counter() - start
+        # no more buckets in flight than with buffers alone
+        self._retire_until(lambda: len(self._inflight) < len(self._buffers))
 
     def finish(self) -> None:
         """Send the last bucket and wait for every send; raises the first send error."""
@@ -153,12 +151,17 @@ class BucketPipeline:
         self._inflight.append((self._pool.submit(self._timed_send, manifest, flat), buf))
 
     def _take(self) -> BucketBuffer:
-        if not self._free:
-            start = time.perf_counter()
-            while not self._free:  # a bucket sent from its own memory frees no buffer
-                self._retire()
-            self.wait_s += time.perf_counter() - start
+        self._retire_until(lambda: bool(self._free))  # a bucket sent from its own memory frees no buffer
         return self._free.popleft()
+
+    def _retire_until(self, done: Callable[[], bool]) -> None:
+        """Wait for the oldest sends until ``done()``; the time counts as waiting for the wire."""
+        if done():
+            return
+        start = time.perf_counter()
+        while not done():
+            self._retire()
+        self.wait_s += time.perf_counter() - start
 
     def _retire(self) -> None:
         future, buf = self._inflight.popleft()

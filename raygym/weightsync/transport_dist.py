@@ -350,8 +350,7 @@ class DistTransport:
     def _post_next(self) -> None:
         with self._order:
             if self._announced and self._announced[0].futures is None:
-                head = self._announced.popleft()
-                self._announced.appendleft(head._replace(futures=self._post(head.payload)))
+                self._announced[0] = self._announced[0]._replace(futures=self._post(self._announced[0].payload))
             else:
                 self._may_post_next = not self._announced
 

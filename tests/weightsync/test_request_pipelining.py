@@ -50,14 +50,26 @@ class AnswersAfterTheNextRequest:
         return answer
 
 
-def test_request_k_plus_1_is_posted_before_answer_k_is_in(tiny_model_path):
-    trainer = LocalTrainer(tiny_model_path, lr=1e-3)
+def full_gloo_sync(trainer: LocalTrainer, link: Any) -> WeightSync:
+    """Full syncs over gloo in 64 KiB buckets (several per push of the tiny model) to the engine behind ``link``."""
     recipe = Recipe(update_weight_transport="nccl", update_weight_mode="full", update_weight_buffer_size=64 * 1024,
                     update_weight_timeout=60.0, update_weight_full_interval=0, colocate=False)
+    sync = WeightSync(recipe, [trainer], [link], spec_overrides={"master_address": "127.0.0.1", "backend": "gloo"})
+    sync.setup()
+    return sync
+
+
+def assert_holds(url: str, trainer: LocalTrainer, version: int) -> None:
+    """The engine at ``url`` serves ``version`` with exactly the trainer's weights."""
+    got = httpx.post(f"{url}/raygym/weights_checksum", json={"names": None}, timeout=30).json()
+    assert got == {"weight_version": str(version), "checksums": {n: checksum(t) for n, t in trainer.hf_weights()}}
+
+
+def test_request_k_plus_1_is_posted_before_answer_k_is_in(tiny_model_path):
+    trainer = LocalTrainer(tiny_model_path, lr=1e-3)
     with raygym_servers(tiny_model_path, 1, "float32") as (url,):
         link = AnswersAfterTheNextRequest(HttpEngineLink(url, "held-answers"))
-        sync = WeightSync(recipe, [trainer], [link], spec_overrides={"master_address": "127.0.0.1", "backend": "gloo"})
-        sync.setup()
+        sync = full_gloo_sync(trainer, link)
         try:
             buckets = int(sync.push(1)["sync/buckets"])  # answers pass at once; the next push has as many buckets
             assert buckets >= 4, buckets  # enough for the pipelining to matter
@@ -66,26 +78,29 @@ def test_request_k_plus_1_is_posted_before_answer_k_is_in(tiny_model_path):
             metrics = sync.push(2)
             assert metrics["sync/buckets"] == buckets and metrics["sync/full_resyncs"] == 0.0
             assert sorted(link.held) == [True] * (buckets - 1), link.held
-            got = httpx.post(f"{url}/raygym/weights_checksum", json={"names": None}, timeout=30).json()
-            assert got == {"weight_version": "2", "checksums": {n: checksum(t) for n, t in trainer.hf_weights()}}
+            assert_holds(url, trainer, version=2)
         finally:
             sync.shutdown()
 
 
 class CountsRequests:
-    """An engine link that signals each weight request as it is posted (``posted[k]``: request k went out)."""
+    """An engine link that signals each weight request as it is posted (``posted(k)``: request k went out)."""
 
     def __init__(self, inner: HttpEngineLink):
         self.inner, self.name = inner, inner.name
-        self.posted = [threading.Event() for _ in range(256)]
-        self._count = 0
+        self.count = 0  # weight requests posted so far
+        self._posted: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
+
+    def posted(self, index: int) -> threading.Event:
+        with self._lock:
+            return self._posted.setdefault(index, threading.Event())
 
     def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
         if endpoint.strip("/") == REQUEST:
             with self._lock:
-                self.posted[self._count].set()
-                self._count += 1
+                index, self.count = self.count, self.count + 1
+            self.posted(index).set()
         return self.inner.call(endpoint, payload, timeout, method)
 
 
@@ -96,16 +111,13 @@ def test_request_k_plus_1_travels_while_bucket_k_is_on_the_wire(tiny_model_path,
     from raygym.weightsync import transport_dist
 
     trainer = LocalTrainer(tiny_model_path, lr=1e-3)
-    recipe = Recipe(update_weight_transport="nccl", update_weight_mode="full", update_weight_buffer_size=64 * 1024,
-                    update_weight_timeout=60.0, update_weight_full_interval=0, colocate=False)
     with raygym_servers(tiny_model_path, 1, "float32") as (url,):
         link = CountsRequests(HttpEngineLink(url, "counted"))
-        sync = WeightSync(recipe, [trainer], [link], spec_overrides={"master_address": "127.0.0.1", "backend": "gloo"})
-        sync.setup()
+        sync = full_gloo_sync(trainer, link)
         try:
             buckets = int(sync.push(1)["sync/buckets"])
             assert buckets >= 4, buckets
-            first = link._count  # requests of push 1
+            first = link.count  # requests of push 1
             came: list[bool] = []
             calls = [0]
             plain = transport_dist.broadcast
@@ -114,7 +126,7 @@ def test_request_k_plus_1_travels_while_bucket_k_is_on_the_wire(tiny_model_path,
                 index, calls[0] = calls[0], calls[0] + 1
                 bucket, is_buffer = divmod(index, 2)
                 if is_buffer and bucket < buckets - 1:  # buffer k: request k+1 should be out already
-                    came.append(link.posted[first + bucket + 1].wait(HOLD_S))
+                    came.append(link.posted(first + bucket + 1).wait(HOLD_S))
                 plain(pg, tensor, timeout_s)
 
             monkeypatch.setattr(transport_dist, "broadcast", broadcast_after_the_next_request)
@@ -122,8 +134,7 @@ def test_request_k_plus_1_travels_while_bucket_k_is_on_the_wire(tiny_model_path,
             metrics = sync.push(2)
             assert metrics["sync/buckets"] == buckets and metrics["sync/full_resyncs"] == 0.0
             assert came == [True] * (buckets - 1), came
-            got = httpx.post(f"{url}/raygym/weights_checksum", json={"names": None}, timeout=30).json()
-            assert got == {"weight_version": "2", "checksums": {n: checksum(t) for n, t in trainer.hf_weights()}}
+            assert_holds(url, trainer, version=2)
         finally:
             monkeypatch.undo()
             sync.shutdown()
