@@ -54,6 +54,9 @@ def main() -> None:
         pg = written_group(url, a.rank, a.world, a.group, a.impl == "written", a.timeout)
     tensor = torch.arange(a.numel, dtype=torch.float32) * 0.5 if a.role == "send" else torch.zeros(a.numel)
     dist.broadcast(tensor, src=0, group=pg)
+    # leave the group before the interpreter exits: a gloo group torn down at exit can abort the process
+    # ("terminate called without an active exception") while its peer is still connected
+    dist.destroy_process_group(pg)
     print(json.dumps({"sent": True} if a.role == "send" else {"received": tensor.tolist()}), flush=True)
 
 
