@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -366,7 +367,8 @@ class PoisonedModel(torch.nn.Module):
         super().__init__()
         self.inner, self.poison, self.config = model, poison, model.config
         self.fail_decodes = 0
-        self.forward = self._forward  # GenerationEngine inspects forward's signature
+        # GenerationEngine reads forward's signature (the cache keyword's name): show the inner model's
+        self.forward = functools.wraps(model.forward)(lambda input_ids=None, **kw: self._forward(input_ids, **kw))
 
     def _forward(self, input_ids=None, **kw):
         if input_ids.shape[1] > 1 and bool((input_ids == self.poison).any()):
