@@ -17,6 +17,7 @@ from raygym.config import Recipe
 from raygym.weightsync.codec import checksum
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.payload import BUCKET_NAME, LOADER, MANIFEST_NAME, encode_tensor, pack_bucket
+from raygym.weightsync.pipeline import BucketPipeline
 from raygym.weightsync.receiver import INCOMPLETE, WeightReceiver
 from raygym.weightsync.transport_dist import free_port
 from tests.weightsync.local_trainer import LocalTrainer
@@ -85,7 +86,8 @@ def test_full_syncs_land_in_place_once_the_layout_is_adopted(servers, tiny_model
     # a tied tensor sent under its second name. A tensor of half a bucket or more is a bucket of its own, and
     # needs no region: its own storage has the bucket's layout, so it lands in place from the first sync on.
     adopting = 2 if double_buffer else 1
-    lone = sum(2 * t.numel() * t.element_size() >= buffer_size for _, t in trainer.hf_weights())
+    travels_alone = BucketPipeline(buffer_size).sends_alone  # the sender's own rule
+    lone = sum(travels_alone(t.numel() * t.element_size()) for _, t in trainer.hf_weights())
     assert lone > 0, "every bucket size here has tensors that travel alone"
     for adopted, in_place, buckets in history[:adopting]:
         assert buckets - 1 <= adopted + in_place <= buckets and adopted > 0 and in_place == lone, history
