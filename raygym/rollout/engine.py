@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import hashlib
 import os
 import signal
@@ -405,15 +406,19 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def raygym_import_root(python: str) -> str:
-    """A directory that makes ``import raygym`` find this raygym: its parent directory when ``python`` is
-    this interpreter, else a private directory holding only a link to the package.
+    """A directory that makes ``import raygym`` find this raygym in ``python``'s processes: the directory this
+    process imports raygym from when ``python`` imports what this interpreter imports (the same ``sys.prefix``),
+    else a private directory holding only a link to the package, so the other interpreter's own packages win.
+
+    Two virtual environments made from one base Python share a binary, so the binary says nothing; the
+    prefix does.
 
     >>> import os
     >>> os.path.isdir(os.path.join(raygym_import_root(sys.executable), "raygym"))
     True
     """
     package = Path(__file__).resolve().parents[1]
-    if os.path.realpath(python) == os.path.realpath(sys.executable):
+    if interpreter_prefix(python) == os.path.realpath(sys.prefix):
         return str(package.parent)
     digest = hashlib.sha1(str(package).encode()).hexdigest()[:10]
     root = Path(tempfile.gettempdir()) / f"raygym-import-{os.getuid()}-{digest}"
@@ -425,6 +430,20 @@ def raygym_import_root(python: str) -> str:
         except FileExistsError:  # another engine made it first
             pass
     return str(root)
+
+
+@functools.lru_cache(maxsize=16)
+def interpreter_prefix(python: str) -> str:
+    """``sys.prefix`` of the interpreter ``python`` (resolved), as that interpreter reports it.
+
+    >>> interpreter_prefix(sys.executable) == os.path.realpath(sys.prefix)
+    True
+    """
+    done = subprocess.run([python, "-I", "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise ConfigError(f"rollout_engine_python={python!r} does not run: {done.stderr.strip()[-500:]}")
+    return os.path.realpath(done.stdout.strip())
 
 
 def _shutdown_weak(ref: weakref.ref) -> None:

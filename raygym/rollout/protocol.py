@@ -47,6 +47,8 @@ class Endpoint(str, enum.Enum):
     BEGIN_WEIGHT_UPDATE = "/begin_weight_update"  # SGLang >= 0.5.23: a session around every update
     END_WEIGHT_UPDATE = "/end_weight_update"
     UPDATE_WEIGHT_VERSION = "/update_weight_version"
+    GET_WEIGHT_VERSION = "/get_weight_version"  # SGLang 0.5.6-0.5.18 (also as /weight_version)
+    WEIGHT_VERSION = "/weight_version"
     GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
     WEIGHTS_CHECKER = "/weights_checker"
     RAYGYM_WEIGHTS_CHECKSUM = "/raygym/weights_checksum"
@@ -61,8 +63,8 @@ class Endpoint(str, enum.Enum):
         return self.value.lstrip("/")
 
 
-# Routes that change the engine's state: POST with a JSON body only (SGLang also takes GET on some;
-# raygym's server does not: a web page must not be able to drive them).
+# Routes that change the engine's state: no browser may drive them (no cross-site request, no body of a type a
+# page may send without asking), whatever method SGLang takes on them.
 STATE_CHANGING = frozenset({
     Endpoint.FLUSH_CACHE, Endpoint.PAUSE_GENERATION, Endpoint.CONTINUE_GENERATION, Endpoint.ABORT_REQUEST,
     Endpoint.RELEASE_MEMORY, Endpoint.RESUME_MEMORY, Endpoint.UPDATE_WEIGHTS_FROM_DISK,
@@ -71,6 +73,57 @@ STATE_CHANGING = frozenset({
     Endpoint.BEGIN_WEIGHT_UPDATE, Endpoint.END_WEIGHT_UPDATE, Endpoint.UPDATE_WEIGHT_VERSION,
     Endpoint.RAYGYM_SHADOW_BEGIN, Endpoint.RAYGYM_SHADOW_SWITCH, Endpoint.RAYGYM_SHADOW_DISCARD,
 })
+
+_GET, _POST, _PUT = frozenset({"GET"}), frozenset({"POST"}), frozenset({"PUT"})
+# The HTTP methods stock SGLang serves on each of its routes that raygym speaks: the union over the releases
+# the ``sglang`` extra allows (0.5.6-0.5.23, their ``srt/entrypoints/http_server.py``), so a client written
+# for any of them works. raygym's servers take exactly these (anything else is a 405), route by route.
+SGLANG_ROUTE_METHODS: dict[Endpoint, frozenset[str]] = {
+    Endpoint.GENERATE: _POST | _PUT,
+    Endpoint.HEALTH: _GET,
+    Endpoint.HEALTH_GENERATE: _GET,
+    Endpoint.MODEL_INFO: _GET,
+    Endpoint.GET_MODEL_INFO: _GET,
+    Endpoint.SERVER_INFO: _GET,
+    Endpoint.FLUSH_CACHE: _GET | _POST,
+    Endpoint.PAUSE_GENERATION: _POST,
+    Endpoint.CONTINUE_GENERATION: _POST,
+    Endpoint.ABORT_REQUEST: _POST,
+    Endpoint.RELEASE_MEMORY: _GET | _POST,
+    Endpoint.RESUME_MEMORY: _GET | _POST,
+    Endpoint.UPDATE_WEIGHTS_FROM_DISK: _POST,
+    Endpoint.UPDATE_WEIGHTS_FROM_TENSOR: _POST,
+    Endpoint.INIT_WEIGHTS_UPDATE_GROUP: _POST,
+    Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED: _POST,
+    Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP: _POST,
+    Endpoint.BEGIN_WEIGHT_UPDATE: _POST,
+    Endpoint.END_WEIGHT_UPDATE: _POST,
+    Endpoint.UPDATE_WEIGHT_VERSION: _POST,
+    Endpoint.GET_WEIGHT_VERSION: _GET,
+    Endpoint.WEIGHT_VERSION: _GET,
+    Endpoint.GET_WEIGHTS_BY_NAME: _GET | _POST,
+    Endpoint.WEIGHTS_CHECKER: _GET | _POST,
+}
+# raygym's own routes (under /raygym/): reads are GET, everything else POST.
+RAYGYM_ROUTE_METHODS: dict[Endpoint, frozenset[str]] = {
+    Endpoint.RAYGYM_WEIGHTS_CHECKSUM: _POST,
+    Endpoint.RAYGYM_STATS: _GET,
+    Endpoint.RAYGYM_SHADOW_BEGIN: _POST,
+    Endpoint.RAYGYM_SHADOW_SWITCH: _POST,
+    Endpoint.RAYGYM_SHADOW_DISCARD: _POST,
+}
+
+
+def route_methods(endpoint: Endpoint) -> frozenset[str]:
+    """The methods raygym's servers take on ``endpoint`` (SGLang's own where SGLang has the route).
+
+    >>> sorted(route_methods(Endpoint.FLUSH_CACHE))
+    ['GET', 'POST']
+    >>> sorted(route_methods(Endpoint.GENERATE))
+    ['POST', 'PUT']
+    """
+    return SGLANG_ROUTE_METHODS.get(endpoint) or RAYGYM_ROUTE_METHODS[endpoint]
+
 
 PAUSE_MODES = ("abort", "in_place", "retract")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")

@@ -47,7 +47,7 @@ from raygym.rollout.generation import (
     SamplingParams,
 )
 from raygym.rollout.protocol import STATE_CHANGING, Endpoint
-from raygym.rollout.server_http import BadRequest, guard_middleware, handles_errors, parse
+from raygym.rollout.server_http import BadRequest, guard_middleware, handles_errors, parse, register_routes
 from raygym.rollout.server_weights import WeightRoutes
 from raygym.weightsync.codec import checksum as tensor_checksum
 from raygym.weightsync.codec import dtype_from_name
@@ -192,28 +192,21 @@ class InferenceServer:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.limits.max_body_bytes,
                               middlewares=[guard_middleware(self.api_key, frozenset(e.value for e in STATE_CHANGING))])
-        r = app.router
-        r.add_route("*", Endpoint.GENERATE.value, self.generate)
-        r.add_get(Endpoint.HEALTH.value, self.health)
-        r.add_get(Endpoint.HEALTH_GENERATE.value, self.health_generate)
-        r.add_get(Endpoint.MODEL_INFO.value, self.model_info)
-        r.add_get(Endpoint.GET_MODEL_INFO.value, self.model_info)
-        r.add_get("/get_weight_version", self.get_weight_version)
-        r.add_get(Endpoint.RAYGYM_STATS.value, self.stats)
-        for endpoint, handler in (
-            (Endpoint.FLUSH_CACHE, self.flush_cache), (Endpoint.PAUSE_GENERATION, self.pause_generation),
-            (Endpoint.CONTINUE_GENERATION, self.continue_generation), (Endpoint.ABORT_REQUEST, self.abort_request),
-            (Endpoint.RELEASE_MEMORY, self.release_memory), (Endpoint.RESUME_MEMORY, self.resume_memory),
-        ):
-            r.add_route("*", endpoint.value, handler)  # methods other than POST get a 405 from the guard
-        self.weights.register(r)
+        register_routes(app.router, {
+            Endpoint.GENERATE: self.generate, Endpoint.HEALTH: self.health,
+            Endpoint.HEALTH_GENERATE: self.health_generate, Endpoint.MODEL_INFO: self.model_info,
+            Endpoint.GET_MODEL_INFO: self.model_info, Endpoint.GET_WEIGHT_VERSION: self.get_weight_version,
+            Endpoint.WEIGHT_VERSION: self.get_weight_version, Endpoint.RAYGYM_STATS: self.stats,
+            Endpoint.FLUSH_CACHE: self.flush_cache, Endpoint.PAUSE_GENERATION: self.pause_generation,
+            Endpoint.CONTINUE_GENERATION: self.continue_generation, Endpoint.ABORT_REQUEST: self.abort_request,
+            Endpoint.RELEASE_MEMORY: self.release_memory, Endpoint.RESUME_MEMORY: self.resume_memory,
+        })
+        self.weights.register(app.router)
         return app
 
     # ----- generation -----
     @handles_errors
     async def generate(self, request: web.Request) -> web.Response:
-        if request.method not in ("POST", "PUT"):
-            raise BadRequest("/generate: use POST", 405)
         req = await parse(request, protocol.GenerateRequest)
         if req.stream:
             raise BadRequest("stream=true is not supported by raygym's server; send stream=false")

@@ -16,7 +16,7 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from raygym.rollout.auth import authorized
-from raygym.rollout.protocol import request_error
+from raygym.rollout.protocol import Endpoint, request_error, route_methods
 
 log = logging.getLogger("raygym.rollout.server")
 _BROWSER_SIMPLE_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
@@ -95,10 +95,19 @@ def handles_errors(fn: Handler) -> Handler:
     return wrapper
 
 
+def register_routes(router: web.UrlDispatcher, handlers: dict[Endpoint, Callable[[web.Request],
+                                                                        Awaitable[web.StreamResponse]]]) -> None:
+    """Serve each endpoint on exactly the methods :func:`raygym.rollout.protocol.route_methods` lists (stock
+    SGLang's, route by route); other methods get a 405 naming the allowed ones (from the guard)."""
+    for endpoint, handler in handlers.items():
+        for method in sorted(route_methods(endpoint)):
+            router.add_route(method, endpoint.value, handler)
+
+
 def guard_middleware(api_key: str | None, state_changing: frozenset[str]) -> Any:
-    """aiohttp middleware: the API key on every route but ``/health*`` (SGLang's rule), and, on routes that
-    change state, POST with a JSON body only and no browser cross-site request (a web page on the same host
-    must not be able to drive them)."""
+    """aiohttp middleware: the API key on every route but ``/health*`` (SGLang's rule); on routes that change
+    state, no browser cross-site request and no body of a type a web page may send without asking (a page on
+    the same host must not be able to drive them); a wrong method is SGLang's 405 as a JSON error."""
 
     @web.middleware
     async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -107,8 +116,6 @@ def guard_middleware(api_key: str | None, state_changing: frozenset[str]) -> Any
                 request.headers.get("Authorization"), api_key):
             return error_response("unauthorized: send the engine's API key as 'Authorization: Bearer <key>'", 401)
         if request.path in state_changing:
-            if request.method != "POST":
-                return error_response(f"{request.path} changes the engine's state: use POST", 405)
             ctype = (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()
             has_body = bool(request.content_length) or request.headers.get("Transfer-Encoding") == "chunked"
             # Bodiless control calls (SGLang's clients send no body to /flush_cache) pass with any type
@@ -117,6 +124,10 @@ def guard_middleware(api_key: str | None, state_changing: frozenset[str]) -> Any
                 return error_response(f"{request.path}: Content-Type must be application/json, got {ctype!r}", 415)
             if request.headers.get("Sec-Fetch-Site") in ("cross-site", "same-site") or "Origin" in request.headers:
                 return error_response(f"{request.path}: refused: browser requests cannot change the engine", 403)
-        return await handler(request)
+        try:
+            return await handler(request)
+        except web.HTTPMethodNotAllowed as exc:
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            return error_response(f"{request.path}: method {request.method} not allowed; use {allowed}", 405)
 
     return guard

@@ -23,7 +23,14 @@ from pydantic import ValidationError
 from raygym.rollout import protocol
 from raygym.rollout.generation import GenerationEngine
 from raygym.rollout.protocol import Endpoint
-from raygym.rollout.server_http import BadRequest, handles_errors, parse, read_json, result_response
+from raygym.rollout.server_http import (
+    BadRequest,
+    handles_errors,
+    parse,
+    read_json,
+    register_routes,
+    result_response,
+)
 from raygym.weightsync.receiver import WeightReceiver
 
 
@@ -50,9 +57,8 @@ class WeightRoutes:
             Endpoint.RAYGYM_SHADOW_SWITCH: self.shadow_switch,
             Endpoint.RAYGYM_SHADOW_DISCARD: self.shadow_discard,
         }
-        for endpoint, handler in routes.items():
-            router.add_route("*", endpoint.value, handler)  # wrong methods get a 405 from the guard
-        router.add_route("*", Endpoint.GET_WEIGHTS_BY_NAME.value, self.get_weights_by_name)
+        routes[Endpoint.GET_WEIGHTS_BY_NAME] = self.get_weights_by_name
+        register_routes(router, routes)
 
     @property
     def weight_version(self) -> str:

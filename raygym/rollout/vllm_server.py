@@ -59,6 +59,7 @@ from raygym.rollout.server_http import (
     handles_errors,
     parse,
     read_json,
+    register_routes,
     result_response,
 )
 
@@ -96,15 +97,11 @@ class VllmAdapter:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30,
                               middlewares=[guard_middleware(self.api_key, frozenset(e.value for e in STATE_CHANGING))])
-        r = app.router
-        r.add_route("*", Endpoint.GENERATE.value, self.generate)
-        r.add_get(Endpoint.HEALTH.value, self.health)
-        r.add_get(Endpoint.HEALTH_GENERATE.value, self.health_generate)
-        r.add_get(Endpoint.MODEL_INFO.value, self.model_info)
-        r.add_get(Endpoint.GET_MODEL_INFO.value, self.model_info)
-        r.add_get("/get_weight_version", self.get_weight_version)
-        r.add_get(Endpoint.RAYGYM_STATS.value, self.stats)
-        handlers = {
+        register_routes(app.router, {
+            Endpoint.GENERATE: self.generate, Endpoint.HEALTH: self.health,
+            Endpoint.HEALTH_GENERATE: self.health_generate, Endpoint.MODEL_INFO: self.model_info,
+            Endpoint.GET_MODEL_INFO: self.model_info, Endpoint.GET_WEIGHT_VERSION: self.get_weight_version,
+            Endpoint.WEIGHT_VERSION: self.get_weight_version, Endpoint.RAYGYM_STATS: self.stats,
             Endpoint.FLUSH_CACHE: self.flush_cache, Endpoint.PAUSE_GENERATION: self.pause_generation,
             Endpoint.CONTINUE_GENERATION: self.continue_generation, Endpoint.ABORT_REQUEST: self.abort_request,
             Endpoint.RELEASE_MEMORY: self.release_memory, Endpoint.RESUME_MEMORY: self.resume_memory,
@@ -115,16 +112,12 @@ class VllmAdapter:
             Endpoint.UPDATE_WEIGHTS_FROM_DISK: self.update_weights_from_disk,
             Endpoint.UPDATE_WEIGHTS_FROM_TENSOR: self.update_weights_from_tensor,
             Endpoint.UPDATE_WEIGHT_VERSION: self.update_weight_version,
-        }
-        for endpoint, handler in handlers.items():
-            r.add_route("*", endpoint.value, handler)  # methods other than POST get a 405 from the guard
+        })
         return app
 
     # ----- generation -----
     @handles_errors
     async def generate(self, request: web.Request) -> web.Response:
-        if request.method not in ("POST", "PUT"):
-            raise BadRequest("/generate: use POST", 405)
         req = await parse(request, protocol.GenerateRequest)
         if req.stream:
             raise BadRequest("stream=true is not supported by raygym's vLLM adapter; send stream=false")

@@ -158,14 +158,22 @@ def test_malformed_control_bodies_are_4xx_naming_the_field(server, path, body, f
     assert field in r.text, r.text
 
 
-def test_state_changing_routes_take_json_posts_only(server):
-    for path in ("/release_memory_occupation", "/resume_memory_occupation", "/flush_cache"):
-        assert httpx.get(f"{server}{path}", headers=AUTH, timeout=30).status_code == 405
+def test_state_changing_routes_take_sglangs_methods_and_no_browser(server):
+    # SGLang serves /flush_cache on GET and POST; its tests, slime and verl flush with GET.
+    assert httpx.get(f"{server}/flush_cache", headers=AUTH, timeout=30).status_code == 200
+    for method, path in (("GET", "/pause_generation"), ("PUT", "/flush_cache"), ("DELETE", "/generate"),
+                         ("GET", "/update_weights_from_disk"), ("POST", "/health")):
+        r = httpx.request(method, f"{server}{path}", headers=AUTH, timeout=30)
+        assert r.status_code == 405, (method, path, r.text)
+        assert "not allowed" in r.json()["error"]["message"]
     r = httpx.post(f"{server}/pause_generation", content=b'{"mode": "abort"}',
                    headers={**AUTH, "Content-Type": "text/plain"}, timeout=30)
     assert r.status_code == 415
     r = httpx.post(f"{server}/flush_cache", headers={**AUTH, "Origin": "http://evil.example"}, timeout=30)
     assert r.status_code == 403
+    for headers in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"}):
+        r = httpx.get(f"{server}/release_memory_occupation", headers={**AUTH, **headers}, timeout=30)
+        assert r.status_code == 403, r.text  # a page's <img src> cannot release the engine's memory
     assert post(server, "/abort_request", {}).status_code == 200  # SGLang's no-op
 
 

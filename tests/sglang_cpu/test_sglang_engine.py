@@ -247,3 +247,30 @@ def test_malformed_requests_against_sglang_and_raygym(engine, sglang_model):
         for path, body, _ in PARITY:
             r = httpx.post(f"{url}{path}", json=body, headers=auth_headers(), timeout=60)
             assert 400 <= r.status_code < 500, (path, body, r.status_code, r.text)
+
+
+# (method, path, body): each answered 405 by both stock SGLang and raygym's server, or by neither.
+METHOD_PARITY = [
+    ("GET", "/flush_cache", None), ("POST", "/flush_cache", None), ("PUT", "/flush_cache", None),
+    ("GET", "/health", None), ("POST", "/health", None), ("GET", "/model_info", None),
+    ("POST", "/get_model_info", None), ("GET", "/get_weight_version", None), ("GET", "/weight_version", None),
+    ("PUT", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}),
+    ("GET", "/generate", None), ("DELETE", "/generate", None), ("GET", "/pause_generation", None),
+    ("GET", "/abort_request", None), ("GET", "/update_weights_from_disk", None),
+]
+
+
+def test_http_methods_match_stock_sglang_route_by_route(engine, sglang_model):
+    from raygym.rollout.auth import auth_headers
+    from tests.rollout.test_server_robustness import start_server
+
+    def answers(url: str) -> list[bool]:
+        return [httpx.request(method, f"{url}{path}", json=body, headers=auth_headers(), timeout=60).status_code
+                == 405 for method, path, body in METHOD_PARITY]
+
+    sglang = answers(engine.url())
+    assert sglang[0] is False, "stock SGLang flushes on GET"
+    with start_server(sglang_model, extra_env={"RAYGYM_ENGINE_API_KEY": API_KEY}) as url:
+        ours = answers(url)
+    differ = [(m, p) for (m, p, _), a, b in zip(METHOD_PARITY, sglang, ours, strict=True) if a != b]
+    assert not differ, f"405 on one server only: {differ}"
