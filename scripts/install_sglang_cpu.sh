@@ -7,7 +7,8 @@
 #
 # SGLang needs its own interpreter: it pins the CUDA build of torch 2.13.0 (which runs without a GPU) and
 # imports torchvision, whose PyPI wheel needs that build. Its CPU kernels (sgl_kernel) are not on PyPI:
-# they are built here from third_party/sglang-kernel-cpu (see its README): ~5 minutes on 2 cores.
+# they are built here from third_party/sglang-kernel-cpu (see its README): ~5 minutes on 2 cores, once per
+# machine: the wheel is kept in ~/.cache/raygym/sgl-kernel-cpu/<version, ISA, torch, source hash>/.
 # DEST/args/<version>/ also receives the sglang package of every release the sglang extra allows, for
 # checking raygym's launch flags with each release's own argument parser.
 # Exit status 3: this machine cannot run SGLang's CPU backend (not x86-64 with AVX2); the reason is printed.
@@ -34,10 +35,19 @@ printf 'torch==2.13.0\ntorchvision==0.28.0\n' > "$DEST/constraints.txt"
 say "torch (CUDA build, runs on CPU) and build tools"
 pipq -c "$DEST/constraints.txt" torch==2.13.0 torchvision==0.28.0 scikit-build-core wheel cmake ninja numpy
 
+# The built kernel is kept outside the clone, keyed by what it was built from, so a later clone (or CI run on
+# the same machine) installs it in seconds; a fresh machine builds it once.
+KERNEL_SRC="$REPO/third_party/sglang-kernel-cpu/sgl-kernel-cpu-src-v$SGLANG_VERSION.tar.gz"
+KERNEL_KEY="v$SGLANG_VERSION-$ISA-torch2.13.0-py311-$(sha256sum "$KERNEL_SRC" | cut -c1-12)"
+KERNEL_CACHE="${RAYGYM_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/raygym}/sgl-kernel-cpu/$KERNEL_KEY"
+if ! "$DEST/venv/bin/python" -c "import sgl_kernel" 2>/dev/null && compgen -G "$KERNEL_CACHE/sglang_kernel_cpu-*.whl" >/dev/null; then
+  say "SGLang's CPU kernels from the cache ($KERNEL_CACHE)"
+  pipq --no-deps "$KERNEL_CACHE"/sglang_kernel_cpu-*.whl
+fi
 if ! "$DEST/venv/bin/python" -c "import sgl_kernel" 2>/dev/null; then
   say "building SGLang's CPU kernels for $ISA"
   KB="$DEST/kernel-build"; rm -rf "$KB"; mkdir -p "$KB/cmake"
-  tar xzf "$REPO/third_party/sglang-kernel-cpu/sgl-kernel-cpu-src-v0.5.18.tar.gz" -C "$KB"
+  tar xzf "$KERNEL_SRC" -C "$KB"
   cp "$KB/aot/pyproject_cpu.toml" "$KB/aot/pyproject.toml"
   TORCH_DIR=$("$DEST/venv/bin/python" -c "import torch, os; print(os.path.dirname(torch.__file__))")
   # find_package(Torch) on the CUDA torch wheel demands a CUDA toolkit: give CMake a CPU-only view of it.
@@ -70,6 +80,8 @@ WRAP
       --no-build-isolation --no-deps -w "$KB/wheels" --config-settings=build-dir="$KB/build" \
       --config-settings=cmake.define.Torch_DIR="$KB/cmake" --config-settings=cmake.define.CMAKE_CXX_COMPILER="$CXX_BIN" . )
   pipq --no-deps "$KB"/wheels/sglang_kernel_cpu-*.whl
+  mkdir -p "$KERNEL_CACHE" && cp "$KB"/wheels/sglang_kernel_cpu-*.whl "$KERNEL_CACHE"/ || \
+    say "could not keep the built kernel in $KERNEL_CACHE (the next install builds it again)"
   rm -rf "$KB/build"
 fi
 

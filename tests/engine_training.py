@@ -15,15 +15,35 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def train_with_engine(flags: list[str], out: Path, timeout: float = 1400) -> tuple[list[dict[str, Any]], str]:
+def installed_raygym_python(scratch: Path) -> str:
+    """An interpreter with raygym installed from its wheel into a fresh venv, as users install it:
+    ``RAYGYM_WHEEL_PYTHON`` (``.ci/run`` builds one with scripts/install_wheel_venv.sh), else one built under
+    ``scratch`` now (about a minute)."""
+    python = os.environ.get("RAYGYM_WHEEL_PYTHON")
+    if python:
+        return python
+    done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "install_wheel_venv.sh"), str(scratch)],
+                          capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def train_with_engine(flags: list[str], out: Path, timeout: float = 1400, *, python: str | None = None
+                      ) -> tuple[list[dict[str, Any]], str]:
     """``python -m raygym train FLAGS --output-dir OUT`` on a private Ray; returns the metrics rows and the
-    engine's server log (the run must succeed)."""
+    engine's server log (the run must succeed). With ``python`` (an installed raygym, see
+    :func:`installed_raygym_python`), the run starts outside the checkout, so raygym comes from that install."""
     ray_tmp = tempfile.mkdtemp(prefix="rge-", dir="/tmp")
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": ray_tmp, "COLUMNS": "200"}
     env.pop("RAY_ADDRESS", None)
+    cwd = REPO_ROOT
+    if python is not None:
+        env.pop("PYTHONPATH", None)
+        cwd = out.parent
+        cwd.mkdir(parents=True, exist_ok=True)
     try:
-        run = subprocess.run([sys.executable, "-m", "raygym", "train", *flags, "--output-dir", str(out)],
-                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        run = subprocess.run([python or sys.executable, "-m", "raygym", "train", *flags, "--output-dir", str(out)],
+                             cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]

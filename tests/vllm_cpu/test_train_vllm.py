@@ -10,7 +10,12 @@ import sys
 
 import pytest
 
-from tests.engine_training import REPO_ROOT, assert_learns_with_probe_verified_syncs, train_with_engine
+from tests.engine_training import (
+    REPO_ROOT,
+    assert_learns_with_probe_verified_syncs,
+    installed_raygym_python,
+    train_with_engine,
+)
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.e2e, pytest.mark.timeout(1500)]
 
@@ -18,9 +23,11 @@ STEPS = 40
 
 
 def test_train_with_vllm_learns(tmp_path, vllm_python, vllm_model):
+    """raygym from its wheel in a fresh venv (as users install it): vLLM's interpreter imports its own packages."""
+    python = installed_raygym_python(tmp_path / "wheel")
     rows, log = train_with_engine(["--preset", "tiny", "--hf-checkpoint", vllm_model, "--rollout-engine", "vllm",
                                    "--rollout-engine-python", vllm_python, "--num-rollout", str(STEPS)],
-                                  tmp_path / "run")
+                                  tmp_path / "run", python=python)
     assert_learns_with_probe_verified_syncs(rows, STEPS)
     for r in rows:  # measured each step (fp32 or bf16 engine, fp32 trainer): small
         assert 0.0 <= r["rollout/logprob_mismatch_mean"] < 0.05 and r["rollout/logprob_mismatch_max"] < 1.0
