@@ -20,6 +20,7 @@ from raygym.algo.kl import KL_KINDS, kl_penalty
 from raygym.algo.losses import (
     aggregate,
     entropy_from_logits,
+    importance_weights,
     kl_loss,
     policy_loss,
     sequence_log_ratio,
@@ -41,6 +42,7 @@ __all__ = [
     "fixed_micro_batches",
     "gae",
     "group_advantages",
+    "importance_weights",
     "kl_loss",
     "kl_penalty",
     "masked_whiten",

@@ -20,7 +20,7 @@ A sample with an all-zero mask contributes 0 but still counts in ``num_samples``
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import NamedTuple, TypedDict
 
 import torch
 
@@ -64,7 +64,64 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip: float) -> torch.Tensor:
     """Truncated importance weights ``clamp(exp(old - rollout), 0, clip)`` for the train/inference mismatch."""
-    return torch.exp(old_log_probs.float() - rollout_log_probs.float()).clamp(0.0, clip).detach()
+    return importance_weights(old_log_probs, rollout_log_probs, torch.ones_like(old_log_probs), clip=clip).weights
+
+
+TIS_MODES = ("truncate", "mask")
+TIS_LEVELS = ("token", "sequence", "geometric")
+
+
+class ImportanceWeights(NamedTuple):
+    """Detached ``[B, T]`` off-policy weights and, per token, 1.0 where the weight was truncated
+    (``clipped``, truncate mode) or set to 0 (``masked``, mask mode)."""
+
+    weights: torch.Tensor
+    clipped: torch.Tensor
+    masked: torch.Tensor
+
+
+def importance_weights(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    clip: float,
+    clip_low: float = 0.0,
+    mode: str = "truncate",
+    level: str = "token",
+) -> ImportanceWeights:
+    """Importance weights of the old (trainer) policy against the policy that generated the rollout.
+
+    The ratio is ``exp(old - rollout)`` per token (``level="token"``), ``exp`` of the sum of those log
+    ratios over the sample's loss tokens (``"sequence"``) or of their mean (``"geometric"``); a sample's
+    ratio applies to each of its tokens. ``mode="truncate"`` (TIS) clamps it into ``[clip_low, clip]``;
+    ``mode="mask"`` (MIS; IcePop at token level) keeps it where ``clip_low <= ratio <= clip`` and
+    gives 0 elsewhere, so those tokens (or whole samples) add nothing to the loss.
+
+    >>> old = torch.tensor([[0.0, 0.0, 0.0]]); rollout = torch.tensor([[0.0, 1.0, -1.0]])
+    >>> w = importance_weights(old, rollout, torch.ones(1, 3), clip=2.0, clip_low=0.5)
+    >>> [round(x, 4) for x in w.weights[0].tolist()], w.clipped[0].tolist()
+    ([1.0, 0.5, 2.0], [0.0, 1.0, 1.0])
+    >>> importance_weights(old, rollout, torch.ones(1, 3), clip=2.0, clip_low=0.5, mode="mask").masked[0].tolist()
+    [0.0, 1.0, 1.0]
+    """
+    if mode not in TIS_MODES:
+        raise ConfigError(f"tis_mode={mode!r}: use 'truncate' (TIS) or 'mask' (MIS / IcePop)")
+    if level not in TIS_LEVELS:
+        raise ConfigError(f"tis_level={level!r}: use one of {', '.join(map(repr, TIS_LEVELS))}")
+    on = loss_mask > 0
+    log_ratio = torch.where(on, old_log_probs.float() - rollout_log_probs.float(), 0.0)
+    if level != "token":
+        total = log_ratio.sum(dim=-1, keepdim=True)
+        if level == "geometric":
+            total = total / on.sum(dim=-1, keepdim=True).clamp(min=1)
+        log_ratio = total.expand_as(log_ratio)
+    ratio = torch.exp(log_ratio).detach()
+    outside = (ratio < clip_low) | (ratio > clip)
+    none = torch.zeros_like(ratio)
+    if mode == "truncate":
+        return ImportanceWeights(ratio.clamp(clip_low, clip), outside.to(ratio.dtype), none)
+    return ImportanceWeights(torch.where(outside, 0.0, ratio), none, outside.to(ratio.dtype))
 
 
 def sequence_log_ratio(

@@ -9,7 +9,9 @@ and token entropies, then calls :func:`rl_loss` with the step's GLOBAL denominat
 Metrics (:meth:`RLLossConfig.metric_names`, in that order; summed over micro-batches and data-parallel
 ranks): ``loss`` (the total that is back-propagated), ``pg_loss``, ``entropy``, ``clipfrac``,
 ``approx_kl``, and only when the feature is on: ``dual_clipfrac`` (``eps_clip_c``), ``kl_loss``
-(``use_kl_loss``), ``tis_weight`` (``use_tis``).
+(``use_kl_loss``), ``tis_weight``, ``tis_clipped_frac`` and ``tis_masked_frac`` (``use_tis``: the mean
+importance weight and the share of loss tokens whose weight was truncated (``tis_mode="truncate"``) or
+set to 0 (``"mask"``), aggregated like the loss).
 
 >>> import torch
 >>> from raygym.config import Recipe
@@ -27,7 +29,15 @@ from dataclasses import dataclass
 import torch
 
 from raygym.algo.kl import KL_KINDS
-from raygym.algo.losses import Aggregation, aggregate, kl_loss, policy_loss, tis_weights
+from raygym.algo.losses import (
+    TIS_LEVELS,
+    TIS_MODES,
+    Aggregation,
+    aggregate,
+    importance_weights,
+    kl_loss,
+    policy_loss,
+)
 from raygym.config.recipe import Recipe
 from raygym.config.views import build_view, recipe_view
 from raygym.errors import ConfigError
@@ -56,6 +66,9 @@ class RLLossConfig:
     eps_clip_c: float | None
     use_tis: bool
     tis_clip: float
+    tis_clip_low: float
+    tis_mode: str
+    tis_level: str
     use_kl_loss: bool
     kl_loss_type: str
     kl_loss_coef: float
@@ -68,6 +81,9 @@ class RLLossConfig:
             raise ConfigError(f"ratio_level={self.ratio_level!r}: use 'token' (PPO/GRPO) or 'sequence' (GSPO)")
         if self.use_kl_loss and self.kl_loss_type not in KL_KINDS:
             raise ConfigError(f"kl_loss_type={self.kl_loss_type!r}: use one of {', '.join(KL_KINDS)}")
+        if self.tis_mode not in TIS_MODES or self.tis_level not in TIS_LEVELS:
+            raise ConfigError(f"tis_mode={self.tis_mode!r}, tis_level={self.tis_level!r}: use a mode of "
+                              f"{', '.join(TIS_MODES)} and a level of {', '.join(TIS_LEVELS)}")
 
     @classmethod
     def from_recipe(cls, recipe: Recipe) -> RLLossConfig:
@@ -83,7 +99,7 @@ class RLLossConfig:
         if self.use_kl_loss:
             names.append("kl_loss")
         if self.use_tis:
-            names.append("tis_weight")
+            names += ["tis_weight", "tis_clipped_frac", "tis_masked_frac"]
         return tuple(names)
 
     @property
@@ -115,14 +131,16 @@ def rl_loss(
     c = config
     agg: Aggregation = {"per_token": c.per_token, "num_samples": num_samples, "num_tokens": num_tokens}
     old = log_probs.detach() if old_log_probs is None else old_log_probs
-    weights = None
+    correction = None
     if c.use_tis:
         if rollout_log_probs is None:
             raise ConfigError(
                 "use_tis=True: the samples carry no rollout log-probs; the engine must return them "
                 "(or pass --no-use-tis)"
             )
-        weights = tis_weights(old, rollout_log_probs, c.tis_clip)
+        correction = importance_weights(old, rollout_log_probs, loss_mask, clip=c.tis_clip,
+                                        clip_low=c.tis_clip_low, mode=c.tis_mode, level=c.tis_level)
+    weights = None if correction is None else correction.weights
     pg, pg_metrics = policy_loss(
         log_probs, old, advantages, loss_mask, eps_clip=c.eps_clip, eps_clip_high=c.eps_clip_high,
         eps_clip_c=c.eps_clip_c, tis_weights=weights, ratio_level=c.ratio_level, **agg,
@@ -139,7 +157,9 @@ def rl_loss(
         kl = kl_loss(log_probs, ref_log_probs, loss_mask, c.kl_loss_type, **agg)
         loss = loss + c.kl_loss_coef * kl
         metrics["kl_loss"] = kl.detach()
-    if weights is not None:
-        metrics["tis_weight"] = aggregate(weights, loss_mask, **agg).detach()
+    if correction is not None:
+        metrics["tis_weight"] = aggregate(correction.weights, loss_mask, **agg).detach()
+        metrics["tis_clipped_frac"] = aggregate(correction.clipped, loss_mask, **agg).detach()
+        metrics["tis_masked_frac"] = aggregate(correction.masked, loss_mask, **agg).detach()
     metrics["loss"] = loss.detach()
     return loss, {name: metrics[name] for name in c.metric_names()}

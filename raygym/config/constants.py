@@ -9,6 +9,8 @@ RECIPE_CHOICES: dict[str, tuple[Any, ...]] = {
     "rollout_engine": ("auto", "sglang", "vllm", "raygym"),
     "advantage_estimator": ("grpo", "dr_grpo", "gspo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
     "kl_loss_type": ("k1", "k2", "k3", "low_var_kl"),
+    "tis_mode": ("truncate", "mask"),
+    "tis_level": ("token", "sequence", "geometric"),
     "substep_timing": ("auto", "off"),
     "lr_decay_style": ("constant", "linear", "cosine"),
     "optimizer": ("adam", "sgd"),

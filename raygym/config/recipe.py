@@ -99,6 +99,20 @@ class Recipe(Section):
     ref_load: str = option("", "Checkpoint read by the reference model for KL terms.")
     use_tis: bool = option(False, "Truncated importance sampling against the rollout log-probs.")
     tis_clip: float = option(2.0, "Upper clamp of the truncated importance-sampling weight.")
+    tis_clip_low: float = option(
+        0.0, "Lower bound of the importance weight: truncate mode clamps it into [tis_clip_low, tis_clip]."
+    )
+    tis_mode: str = option(
+        "truncate",
+        "With use_tis: 'truncate' clamps the weight (TIS); 'mask' keeps it inside [tis_clip_low, tis_clip] and "
+        "drops tokens outside it (MIS). IcePop: --use-tis --tis-mode mask --tis-level token --tis-clip-low 0.5 "
+        "--tis-clip 2.0.",
+    )
+    tis_level: str = option(
+        "token",
+        "With use_tis, the importance ratio old/rollout per 'token', per 'sequence' (product over the sample's "
+        "tokens) or 'geometric' (their geometric mean); a sample's ratio weights (or masks) all its tokens.",
+    )
     gamma: float = option(1.0, "Discount factor (PPO / GAE).")
     lambd: float = option(1.0, "GAE lambda (PPO).")
     critic_lr: float | None = option(None, "Critic learning rate; None uses lr.")

@@ -89,6 +89,12 @@ def check_ranges(r: Recipe) -> None:
     check_range("eps_clip_high", r.eps_clip_high, 0.0, math.inf, low_open=True)
     check_range("eps_clip_c", r.eps_clip_c, 1.0, math.inf, low_open=True)
     check_range("tis_clip", r.tis_clip, 0.0, math.inf, low_open=True)
+    check_range("tis_clip_low", r.tis_clip_low, 0.0, math.inf)
+    if r.tis_clip_low >= r.tis_clip:
+        raise ConfigError(
+            f"tis_clip_low={r.tis_clip_low!r} is not below tis_clip={r.tis_clip!r}: the importance weight's "
+            "band [tis_clip_low, tis_clip] would be empty; lower --tis-clip-low or raise --tis-clip"
+        )
     check_range("update_weight_probe_tolerance", r.update_weight_probe_tolerance, 0.0, math.inf, low_open=True)
     for field in ("kl_loss_coef", "kl_coef", "entropy_coef", "clip_grad", "rollout_temperature"):
         check_range(field, getattr(r, field), 0.0, math.inf)

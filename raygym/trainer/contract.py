@@ -69,7 +69,7 @@ class CheckpointState:
     rng: dict[str, Any] = field(default_factory=dict)
 
 
-# Keys every policy train step reports (prefix "train/"); dual_clipfrac, kl_loss and tis_weight are added
+# Keys every policy train step reports (prefix "train/"); dual_clipfrac, kl_loss and tis_* are added
 # when their feature is on (raygym.algo.RLLossConfig.metric_names), adv_* when the batch has trained tokens.
 TrainMetrics = TypedDict(
     "TrainMetrics",
@@ -82,6 +82,8 @@ TrainMetrics = TypedDict(
         "train/dual_clipfrac": float,
         "train/kl_loss": float,
         "train/tis_weight": float,
+        "train/tis_clipped_frac": float,
+        "train/tis_masked_frac": float,
         "train/grad_norm": float,
         "train/lr": float,
         "train/optimizer_steps": float,

@@ -9,6 +9,7 @@ steps, and HF exports. Megatron's parallel state is process-global, hence a proc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import warnings
@@ -83,6 +84,17 @@ def check(backend: str, kind: str, model_dir: str, out: Path) -> dict:
     res["loaded_equals_saved"] = max_diff(loaded_lp["log_probs"], after["log_probs"])
     res["loaded_ref_equals_ref"] = max_diff(loaded_lp["ref_log_probs"], first["ref_log_probs"])
     res["next_b"] = [b.train_step(fixed, i) for i in (1, 2)]
+
+    # off-policy corrections (IcePop's token mask): a fresh trainer whose old policy is ``first``; the
+    # rollout log-probs are the trainer's, moved by a seeded noise, so some ratios leave the band
+    tis_recipe = cfg.recipe.replace(use_tis=True, tis_mode="mask", tis_clip_low=0.8, tis_clip=1.25)
+    tis_cfg = TrainConfig(recipe=tis_recipe, model=cfg.model)
+    c = TrainerActor(settings=TrainerSettings.from_config(tis_cfg))
+    c.init()
+    noise = torch.Generator().manual_seed(3)
+    rollout = [lp + 0.3 * torch.randn(lp.shape, generator=noise) for lp in first["log_probs"]]
+    off_policy = dataclasses.replace(batch, rollout_log_probs=rollout).with_log_probs(first).with_advantages("grpo")
+    res["metrics_tis"] = c.train_step(off_policy, 0)
     weights_b = {n: t for n, t in b.backend.iter_hf_weights()}
     if rank == 0:
         res["weights_identical"] = weights_a.keys() == weights_b.keys() and all(

@@ -20,6 +20,7 @@ KINDS = ("dense", "moe")
 BACKENDS = ["torch", MEGATRON]
 # Loss metrics of a train step; both backends compute them with raygym.algo.rl_loss.
 LOSS_METRICS = ("train/loss", "train/pg_loss", "train/entropy", "train/clipfrac", "train/approx_kl", "train/kl_loss")
+TIS_METRICS = {"train/tis_weight", "train/tis_clipped_frac", "train/tis_masked_frac"}
 
 
 @pytest.fixture(scope="session")
@@ -75,6 +76,17 @@ def test_train_step_metrics_and_kl(contract_results, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_off_policy_correction_metrics(contract_results, backend):
+    """use_tis with IcePop's token mask: the correction's metrics, some tokens masked and none truncated."""
+    for kind, res in contract_results(backend).items():
+        m = res["metrics_tis"]
+        assert TIS_METRICS <= set(m), (kind, sorted(m))
+        assert 0.0 < m["train/tis_masked_frac"] < 1.0 and m["train/tis_clipped_frac"] == 0.0, kind
+        # kept weights lie in [0.8, 1.25], masked ones are 0: the mean is at most the kept share * 1.25
+        assert 0.0 < m["train/tis_weight"] <= 1.25 * (1.0 - m["train/tis_masked_frac"]) + 1e-6, kind
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_save_load_then_next_steps_identical(contract_results, backend):
     for kind, res in contract_results(backend).items():
         assert res["loaded"] == {"rollout_id": 0, "start": 1, "extra": {"data_index": 8}}, kind
@@ -105,5 +117,8 @@ def test_backends_agree(contract_results):
         for key in LOSS_METRICS:
             assert m["metrics0"][key] == pytest.approx(t["metrics0"][key], rel=1e-3, abs=1e-5), (kind, key)
         assert m["metrics0"]["train/grad_norm"] == pytest.approx(t["metrics0"]["train/grad_norm"], rel=1e-3), kind
+        assert sorted(t["metrics_tis"]) == sorted(m["metrics_tis"]), kind
+        for key in (*LOSS_METRICS, *sorted(TIS_METRICS)):
+            assert m["metrics_tis"][key] == pytest.approx(t["metrics_tis"][key], rel=1e-3, abs=1e-5), (kind, key)
         if kind == "dense":  # MoE: transformers 5 fuses the experts in memory, Megatron stores them as on disk
             assert m["checkpoint_tensor_names"] == t["checkpoint_tensor_names"]

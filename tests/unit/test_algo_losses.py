@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from raygym.algo import aggregate, entropy_from_logits, kl_loss, policy_loss, tis_weights, value_loss
+from raygym.algo.losses import importance_weights
 from raygym.errors import ConfigError
 
 
@@ -161,6 +162,74 @@ def test_dual_clip_validation():
 def test_tis_weights_are_truncated():
     w = tis_weights(torch.tensor([0.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, -5.0]), 2.0)
     assert w.tolist() == pytest.approx([1.0, math.exp(-1.0), 2.0])
+
+
+def log_ratios(rows):
+    """(old, rollout) log-probs whose differences old - rollout are ``rows``."""
+    d = torch.tensor(rows, dtype=torch.float32)
+    old = -torch.rand(d.shape, generator=torch.Generator().manual_seed(1)) * 3
+    return old, old - d
+
+
+def test_token_truncation_clamps_into_the_band_from_below_too():
+    old, rollout = log_ratios([[0.0, math.log(3.0), math.log(0.25), math.log(1.5)]])
+    w = importance_weights(old, rollout, torch.ones(1, 4), clip=2.0, clip_low=0.5)
+    assert w.weights[0].tolist() == pytest.approx([1.0, 2.0, 0.5, 1.5])
+    assert w.clipped[0].tolist() == [0.0, 1.0, 1.0, 0.0] and w.masked.sum() == 0
+    # tis_clip_low=0 is the plain truncation of tis_weights
+    plain = importance_weights(old, rollout, torch.ones(1, 4), clip=2.0)
+    assert plain.weights[0].tolist() == pytest.approx([1.0, 2.0, 0.25, 1.5])
+    assert plain.clipped[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    torch.testing.assert_close(plain.weights, tis_weights(old, rollout, 2.0))
+
+
+def test_token_mask_zeroes_ratios_outside_the_band_and_keeps_the_others_unclamped():
+    old, rollout = log_ratios([[0.0, math.log(3.0), math.log(0.25), math.log(1.5), math.log(0.5)]])
+    w = importance_weights(old, rollout, torch.ones(1, 5), clip=2.0, clip_low=0.5, mode="mask")
+    assert w.weights[0].tolist() == pytest.approx([1.0, 0.0, 0.0, 1.5, 0.5])  # the bounds are inside
+    assert w.masked[0].tolist() == [0.0, 1.0, 1.0, 0.0, 0.0] and w.clipped.sum() == 0
+    assert not w.weights.requires_grad
+
+
+# Two samples; padding and tokens the policy did not produce (mask 0) carry huge log ratios that
+# must not count. Sample 0: ratios 2 and 1.5 (sequence 3, geometric sqrt 3); sample 1: 0.5 and 0.8
+# (sequence 0.4, geometric sqrt 0.4).
+SEQ_DIFFS = [[math.log(2.0), math.log(1.5), 100.0], [math.log(0.5), -80.0, math.log(0.8)]]
+SEQ_MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
+
+
+@pytest.mark.parametrize(
+    "level, mode, low, high, sample_weights, flagged",
+    [("sequence", "truncate", 0.5, 2.0, [2.0, 0.5], [1.0, 1.0]),
+     ("sequence", "mask", 0.5, 4.0, [3.0, 0.0], [0.0, 1.0]),
+     ("geometric", "truncate", 0.7, 2.0, [math.sqrt(3.0), 0.7], [0.0, 1.0]),
+     ("geometric", "mask", 0.5, 2.0, [math.sqrt(3.0), math.sqrt(0.4)], [0.0, 0.0]),
+     ("geometric", "mask", 0.7, 2.0, [math.sqrt(3.0), 0.0], [0.0, 1.0])],
+)  # fmt: skip
+def test_sequence_levels_weight_every_token_of_a_sample_from_its_loss_tokens_only(
+        level, mode, low, high, sample_weights, flagged):
+    old, rollout = log_ratios(SEQ_DIFFS)
+    w = importance_weights(old, rollout, SEQ_MASK, clip=high, clip_low=low, mode=mode, level=level)
+    for i in range(2):
+        assert w.weights[i].tolist() == pytest.approx([sample_weights[i]] * 3, rel=1e-5)
+        flags = w.masked[i] if mode == "mask" else w.clipped[i]
+        assert flags.tolist() == [flagged[i]] * 3
+    assert (w.clipped if mode == "mask" else w.masked).sum() == 0
+
+
+def test_a_sample_without_loss_tokens_has_ratio_one():
+    old, rollout = log_ratios([[5.0, -5.0]])
+    for level in ("sequence", "geometric"):
+        w = importance_weights(old, rollout, torch.zeros(1, 2), clip=2.0, level=level)
+        assert w.weights.tolist() == [[1.0, 1.0]]
+
+
+def test_unknown_mode_or_level_is_a_config_error():
+    old, rollout = log_ratios([[0.0]])
+    with pytest.raises(ConfigError, match="tis_mode='clip'"):
+        importance_weights(old, rollout, torch.ones(1, 1), clip=2.0, mode="clip")
+    with pytest.raises(ConfigError, match="tis_level='seq'"):
+        importance_weights(old, rollout, torch.ones(1, 1), clip=2.0, level="seq")
 
 
 def test_entropy_is_stable_and_correct():

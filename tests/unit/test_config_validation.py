@@ -176,10 +176,22 @@ def test_eval_interval_none_or_positive():
      ("attention_dropout", 1.0), ("hidden_dropout", -0.5), ("adam_beta1", 1.0), ("adam_beta2", -0.1),
      ("eps_clip", 0.0), ("eps_clip_high", -0.1), ("eps_clip_c", 1.0), ("lr", -1e-6), ("weight_decay", -0.1),
      ("rollout_temperature", -1.0), ("gamma", 1.1), ("lambd", -0.1), ("tis_clip", 0.0), ("lr", math.nan),
+     ("tis_clip_low", -0.5),
      ("colocate_engine_gpu_share", 0.0), ("update_weight_timeout", 0.0)],
 )  # fmt: skip
 def test_probabilities_and_rates_in_range(field, bad):
     reject([f"{field}=", "must lie in"], **{field: bad})
+
+
+def test_tis_band_is_not_empty_and_its_choices_are_named():
+    reject(["tis_clip_low=2.0", "tis_clip=2.0", "--tis-clip-low"], tis_clip_low=2.0)
+    reject(["tis_clip_low=0.5", "tis_clip=0.4"], tis_clip_low=0.5, tis_clip=0.4)
+    reject(["tis_mode='clip'", "'truncate', 'mask'"], tis_mode="clip")
+    reject(["tis_level='seq'", "'token', 'sequence', 'geometric'"], tis_level="seq")
+    icepop = Recipe(use_tis=True, tis_mode="mask", tis_level="token", tis_clip_low=0.5, tis_clip=2.0)
+    assert (icepop.tis_mode, icepop.tis_clip_low) == ("mask", 0.5)
+    # set without use_tis: unused, like the other fields of a feature that is off
+    assert Recipe(tis_mode="mask", tis_level="geometric", tis_clip_low=0.99, tis_clip=1.01).use_tis is False
 
 
 def test_min_lr_at_most_lr():
