@@ -1,42 +1,22 @@
-"""Scoring code by tests: the program the sandbox runs, and how its output is read.
+"""Scoring code by tests, with the verdict out of the candidate's reach.
 
-The sandboxed program executes the candidate code, then each test (a Python statement, e.g.
-``assert f(2) == 4``) in the candidate's namespace, and prints one line per test that passed (or
-whose assertion failed: the code ran but gave a wrong value), prefixed with a per-run random nonce. Only lines with the nonce count, so text the candidate prints
-cannot pass a test; a run that times out or is killed keeps the passes it printed before.
-
-(The nonce is in the interpreter's memory, so code written to search that memory could forge a
-line; the process isolation, not the nonce, is what protects the host.)
+The candidate code runs in the sandbox (:mod:`raygym.sandbox.candidate`); each test (a Python
+statement, e.g. ``assert f(2) == 4``) runs in a separate grader process
+(:mod:`raygym.sandbox.grader`) that the candidate cannot see, signal, trace or write to, and that
+takes nothing from the candidate but plain values (:mod:`raygym.sandbox.wire`). The verdicts are
+the grader's lines on its own stdout, read here; nothing the candidate prints, imports, patches or
+inspects reaches them, and the tests' expected values never enter the candidate's process. A run
+that times out keeps the verdicts the grader gave before.
 """
 
 from __future__ import annotations
 
-import json
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from raygym.sandbox.runner import RunResult, Sandbox
-
-_PROGRAM = """
-import json as _json, sys as _sys
-_spec = _json.loads({payload!r})
-_out = _sys.stdout
-_ns = {{"__name__": "__candidate__"}}
-try:
-    exec(compile(_spec["code"], "<candidate>", "exec"), _ns)
-except BaseException as _exc:
-    _out.write("{nonce} LOAD " + type(_exc).__name__ + "\\n"); _out.flush(); raise SystemExit(1)
-for _i, _test in enumerate(_spec["tests"]):
-    try:
-        exec(compile(_test, "<test>", "exec"), _ns)
-    except AssertionError:
-        _out.write("{nonce} FAIL " + str(_i) + "\\n"); _out.flush()
-        continue
-    except BaseException:
-        continue
-    _out.write("{nonce} PASS " + str(_i) + "\\n"); _out.flush()
-"""
+from raygym.sandbox import wire
+from raygym.sandbox.process import RunResult
+from raygym.sandbox.runner import Sandbox
 
 
 @dataclass
@@ -46,11 +26,12 @@ class TestReport:
     passed: int
     total: int
     failed: int  # tests that ran and whose assertion failed (the others raised another error or never ran)
-    loaded: bool  # the candidate code itself ran without an exception
-    load_error: str | None  # the exception type that stopped it (e.g. MemoryError)
+    loaded: bool  # the candidate code itself ran without an exception (as the candidate reported it)
+    load_error: str | None  # the exception type that stopped it (e.g. MemoryError), or "exited"
     timed_out: bool
-    exit_code: int | None
-    stderr_tail: str = ""
+    exit_code: int | None  # the candidate's
+    stderr_tail: str = ""  # the candidate's
+    grader_error: str = ""  # the grader's stderr when it stopped before its last line (killed, crashed)
 
     @property
     def fraction(self) -> float:
@@ -62,32 +43,28 @@ class TestReport:
         return (self.passed + self.failed) / self.total if self.total else 0.0
 
 
-def build_program(code: str, tests: Sequence[str], nonce: str) -> str:
-    """The sandboxed program for ``code`` and ``tests``."""
-    payload = json.dumps({"code": code, "tests": list(tests)})
-    return _PROGRAM.format(payload=payload, nonce=nonce)
-
-
-def read_report(result: RunResult, total: int, nonce: str) -> TestReport:
+def read_report(grader: RunResult, candidate: RunResult, total: int) -> TestReport:
+    """The report from the grader's verdict lines (see :mod:`raygym.sandbox.grader`)."""
     passed: set[int] = set()
     failed: set[int] = set()
     load_error = None
-    for line in result.stdout.splitlines():
+    loaded = False
+    lines = grader.stdout.splitlines()
+    for line in lines:
         parts = line.split(" ")
-        if len(parts) != 3 or parts[0] != nonce:
-            continue
-        if parts[1] in ("PASS", "FAIL") and parts[2].isdigit() and int(parts[2]) < total:
-            (passed if parts[1] == "PASS" else failed).add(int(parts[2]))
-        elif parts[1] == "LOAD":
-            load_error = parts[2]
-    loaded = load_error is None and (bool(passed) or result.ok)
+        if parts[0] in ("PASS", "FAIL") and len(parts) == 2 and parts[1].isdigit() and int(parts[1]) < total:
+            (passed if parts[0] == "PASS" else failed).add(int(parts[1]))
+        elif parts[0] == "LOADED":
+            loaded = True
+        elif parts[0] == "LOAD" and len(parts) == 2:
+            load_error = parts[1]
     return TestReport(passed=len(passed), total=total, failed=len(failed - passed), loaded=loaded,
-                      load_error=load_error,
-                      timed_out=result.timed_out, exit_code=result.exit_code, stderr_tail=result.stderr[-500:])
+                      load_error=load_error, timed_out=candidate.timed_out, exit_code=candidate.exit_code,
+                      stderr_tail=candidate.stderr[-500:],
+                      grader_error="" if lines[-1:] == ["DONE"] else f"exit {grader.exit_code}: {grader.stderr[-500:]}")
 
 
 def run_tests(sandbox: Sandbox, code: str, tests: Sequence[str]) -> TestReport:
-    """Run ``code`` then each of ``tests`` in ``sandbox``; count the tests that passed."""
-    nonce = secrets.token_hex(16)
-    result = sandbox.run(build_program(code, tests, nonce))
-    return read_report(result, len(tests), nonce)
+    """Run ``code`` in ``sandbox`` and each of ``tests`` in its grader; count the tests that passed."""
+    candidate, grader = sandbox.run_graded(code, wire.dumps(list(tests)))
+    return read_report(grader, candidate, len(tests))

@@ -1,18 +1,24 @@
 """How a sandboxed process is isolated: the command line that wraps it.
 
-Two backends, chosen by :func:`detect_backend` (probed once per process):
+Three backends; :func:`raygym.sandbox.runner.detect_backend` picks the first of the first two that works (probed once per
+process) and refuses to run when neither does, unless the caller opted into the third:
 
 - ``bwrap`` (Debian's ``bubblewrap``): new user, network, PID, IPC, UTS and cgroup namespaces; a root
-  file system of read-only ``/usr`` (plus the merged-``/usr`` links), a fresh ``/proc`` and ``/dev``,
-  and a size-limited private ``tmpfs`` on ``/tmp`` as the only writable place; no host directory is
-  mounted; the environment is cleared; the process dies with its parent.
-- ``unshare`` (util-linux), where bubblewrap is missing or refused: new user (mapped to root inside),
-  network, PID, mount, IPC and UTS namespaces with private ``tmpfs`` over ``/tmp``, ``/var/tmp`` and
-  ``/dev/shm``. The rest of the host file system stays visible read-only for anything the sandbox's
-  own uid cannot write; bubblewrap is the stronger choice.
+  file system of read-only ``/usr`` (plus the merged-``/usr`` links), a fresh ``/proc`` and a
+  read-only ``/dev``; the root itself read-only; sized tmpfs on ``/tmp`` and ``/dev/shm`` as the only
+  writable places; no host directory is mounted; the environment is cleared; no capabilities; the
+  seccomp filter of :mod:`raygym.sandbox.seccomp`; the process dies with its parent.
+- ``unshare`` (util-linux), where bubblewrap is missing or refused: the same namespaces, and
+  :func:`raygym.sandbox.stage.isolate` builds the same file system, drops every capability and
+  installs the same filter before the program runs; if any step fails, the run fails (the probe
+  then rules the backend out).
+- ``weak``, only with ``allow_weak_isolation=True``: no namespaces at all, for machines that allow
+  none (some containers). The program runs as its own uid (when the host runs as root) under the
+  same limits and seccomp filter, without sockets; it can read whatever that uid can read on the
+  host. The name says it: use it only for code you would run anyway.
 
-Both run as a dedicated unprivileged uid under resource limits set by ``prlimit`` (CPU seconds,
-address space, file size, processes, open files, no core files). The program comes on stdin, so
+Every backend runs under resource limits set by ``prlimit`` (CPU seconds, address space, file size,
+processes, open files, no core files, no POSIX message queues). The program comes on stdin, so
 nothing is written on the host.
 """
 
@@ -20,36 +26,73 @@ from __future__ import annotations
 
 import functools
 import shutil
-import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from raygym.errors import RaygymError
+from raygym.errors import ConfigError, RaygymError
+from raygym.sandbox.seccomp import build_filter
 
 BACKENDS = ("bwrap", "unshare")
+WEAK_BACKEND = "weak"
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+MiB = 1024 * 1024
 
 
 class SandboxUnavailable(RaygymError):
-    """Neither bubblewrap nor unshare can create the namespaces on this machine."""
+    """No backend can isolate generated code on this machine (and the weak one was not allowed)."""
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Resource limits of one sandboxed run."""
+    """Resource limits of one sandboxed run.
+
+    ``memory_bytes`` is the run's whole memory budget. Its writable file systems (``/tmp`` and
+    ``/dev/shm``, tmpfs held in memory) get ``tmp_bytes`` of it between them (a quarter to
+    ``/dev/shm``); each process may map the rest (``RLIMIT_AS`` = ``memory_bytes - tmp_bytes``). Where
+    the sandbox has a memory cgroup (:mod:`raygym.sandbox.memcg`), ``memory_bytes`` also bounds all its
+    processes and files together.
+
+    >>> Limits(memory_bytes=256 * MiB, tmp_bytes=32 * MiB).address_space_bytes // MiB
+    224
+    """
 
     cpu_seconds: int = 5
     wall_seconds: float = 10.0
-    memory_bytes: int = 512 * 1024 * 1024  # address space (RLIMIT_AS)
-    file_bytes: int = 16 * 1024 * 1024  # largest file it may write (RLIMIT_FSIZE)
-    tmp_bytes: int = 32 * 1024 * 1024  # size of its private /tmp
+    memory_bytes: int = 512 * MiB
+    file_bytes: int = 16 * MiB  # largest file it may write (RLIMIT_FSIZE)
+    tmp_bytes: int = 32 * MiB  # its writable tmpfs together, out of memory_bytes
     processes: int = 16  # processes of its uid (RLIMIT_NPROC)
     open_files: int = 64
     output_bytes: int = 1024 * 1024  # stdout/stderr kept (the rest is dropped)
+    message_bytes: int = 16 * MiB  # the largest answer the candidate may send its grader
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if not value > 0:
+                raise ConfigError(f"Limits.{field.name}={value!r}: must be positive")
+        if self.tmp_bytes * 2 > self.memory_bytes:
+            raise ConfigError(f"Limits.tmp_bytes={self.tmp_bytes}: the sandbox's files count against its memory "
+                              f"and may take at most half of memory_bytes={self.memory_bytes}; lower tmp_bytes "
+                              "or raise memory_bytes")
+        if self.tmp_bytes < 256 * 1024:
+            raise ConfigError(f"Limits.tmp_bytes={self.tmp_bytes}: at least 262144 (256 KiB)")
+
+    @property
+    def address_space_bytes(self) -> int:
+        return self.memory_bytes - self.tmp_bytes
+
+    @property
+    def shm_bytes(self) -> int:
+        return self.tmp_bytes // 4
+
+    @property
+    def private_tmp_bytes(self) -> int:
+        return self.tmp_bytes - self.shm_bytes
 
     def prlimit_argv(self) -> list[str]:
         return [
-            "prlimit", f"--cpu={self.cpu_seconds}", f"--as={self.memory_bytes}", f"--fsize={self.file_bytes}",
-            f"--nproc={self.processes}", f"--nofile={self.open_files}", "--core=0", "--",
+            "prlimit", f"--cpu={self.cpu_seconds}", f"--as={self.address_space_bytes}", f"--fsize={self.file_bytes}",
+            f"--nproc={self.processes}", f"--nofile={self.open_files}", "--core=0", "--msgqueue=0", "--",
         ]
 
 
@@ -62,65 +105,53 @@ def python_executable() -> str:
     raise SandboxUnavailable("no /usr/bin/python3: the sandbox runs the system Python; install python3")
 
 
-def bwrap_argv(limits: Limits, program_argv: list[str]) -> list[str]:
-    """bubblewrap's command line around ``program_argv``."""
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
+@functools.lru_cache(maxsize=2)
+def seccomp_program(allow_unix_sockets: bool) -> bytes:
+    """The seccomp filter for this machine (cached)."""
+    return build_filter(allow_unix_sockets=allow_unix_sockets)
+
+
+def bwrap_argv(limits: Limits, seccomp_fd: int, program_argv: list[str]) -> list[str]:
+    """bubblewrap's command line around ``program_argv``; ``seccomp_fd`` is an inherited descriptor
+    that holds the filter (:func:`seccomp_program`)."""
+    # --as-pid-1: the program is the namespace's init, and bwrap reaps it itself. Without it, bwrap's own
+    # init process is left a zombie for the host's init to reap, and until it does, these zombies count
+    # against RLIMIT_NPROC: a quick series of runs then fails with "Can't fork for pid 1".
+    argv = ["bwrap", "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr"]
     for link in ("bin", "lib", "lib64", "sbin"):
         argv += ["--symlink", f"usr/{link}", f"/{link}"]
     argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache", "--proc", "/proc", "--dev", "/dev",
-             "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp", "--clearenv",
+             "--perms", "1777", "--size", str(limits.shm_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+             "--perms", "1777", "--size", str(limits.private_tmp_bytes), "--tmpfs", "/tmp", "--remount-ro", "/",
+             "--seccomp", str(seccomp_fd), "--chdir", "/tmp", "--clearenv",
              "--setenv", "PATH", SANDBOX_PATH, "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8", "--"]
     return argv + program_argv
 
 
-def unshare_argv(limits: Limits, program_argv: list[str]) -> list[str]:
-    """unshare's command line around ``program_argv`` (a shell mounts the private temp dirs first)."""
-    size = max(limits.tmp_bytes // 1024, 64)
-    script = (f"mount -t tmpfs -o size={size}k,mode=1777 tmpfs /tmp && mount -t tmpfs -o size=1024k tmpfs /var/tmp"
-              f" && mount -t tmpfs -o size=1024k tmpfs /dev/shm && cd /tmp && exec env -i PATH={SANDBOX_PATH} "
-              'HOME=/tmp LANG=C.UTF-8 "$@"')
+def unshare_argv(program_argv: list[str]) -> list[str]:
+    """unshare's command line around ``program_argv`` (a Python program that starts with
+    :func:`raygym.sandbox.stage.isolate`)."""
     return ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount",
-            "--ipc", "--uts", "--mount-proc", "--", "/bin/sh", "-c", script, "sandbox", *program_argv]
+            "--ipc", "--uts", "--cgroup", "--", *program_argv]
 
 
-def backend_argv(backend: str, limits: Limits, program_argv: list[str]) -> list[str]:
-    if backend == "bwrap":
-        return limits.prlimit_argv() + bwrap_argv(limits, program_argv)
+def stage_call(backend: str, limits: Limits) -> str | None:
+    """The Python statement a sandboxed program starts with on ``backend`` (None: bubblewrap did it)."""
     if backend == "unshare":
-        return limits.prlimit_argv() + unshare_argv(limits, program_argv)
-    raise ValueError(f"backend={backend!r}: one of {BACKENDS}")
-
-
-def _probe(backend: str, user: int | None) -> str | None:
-    """None when ``backend`` runs a trivial program in its namespaces, else why not."""
-    tool = "bwrap" if backend == "bwrap" else "unshare"
-    if shutil.which(tool) is None or shutil.which("prlimit") is None:
-        return f"{tool} or prlimit is not installed"
-    argv = backend_argv(backend, Limits(), [python_executable(), "-I", "-S", "-c", "print('ok')"])
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, user=user, group=user,
-                              extra_groups=[] if user is not None else None)
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    if done.returncode != 0 or done.stdout.strip() != "ok":
-        return f"exit {done.returncode}: {done.stderr.strip()[-300:]}"
+        return (f"stage.isolate({seccomp_program(True).hex()!r}, {limits.private_tmp_bytes}, "
+                f"{limits.shm_bytes})")
+    if backend == WEAK_BACKEND:
+        return f"stage.restrict({seccomp_program(False).hex()!r})"
     return None
 
 
-@functools.lru_cache(maxsize=4)
-def detect_backend(preferred: str | None = None, user: int | None = None) -> str:
-    """The first backend (``preferred`` first) whose namespaces work here for ``user``; raises
-    :class:`SandboxUnavailable` saying why each failed."""
-    order = [preferred] if preferred else list(BACKENDS)
-    reasons = []
-    for backend in order:
-        if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r}: one of {BACKENDS}")
-        why = _probe(backend, user)
-        if why is None:
-            return backend
-        reasons.append(f"{backend}: {why}")
-    raise SandboxUnavailable(
-        "cannot isolate generated code on this machine (" + "; ".join(reasons) + "); install bubblewrap "
-        "(apt-get install bubblewrap) and allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)"
-    )
+def backend_argv(backend: str, limits: Limits, program_argv: list[str], seccomp_fd: int | None = None) -> list[str]:
+    """The whole command line: limits, then the backend's isolation around ``program_argv``."""
+    if backend == "bwrap":
+        assert seccomp_fd is not None, "bubblewrap reads its seccomp filter from an inherited descriptor"
+        return limits.prlimit_argv() + bwrap_argv(limits, seccomp_fd, program_argv)
+    if backend == "unshare":
+        return limits.prlimit_argv() + unshare_argv(program_argv)
+    if backend == WEAK_BACKEND:
+        return limits.prlimit_argv() + program_argv
+    raise ValueError(f"backend={backend!r}: one of {BACKENDS + (WEAK_BACKEND,)}")

@@ -22,11 +22,12 @@ from raygym.sandbox.runner import Sandbox
 class SandboxActor:
     """Ray actor body: one sandbox; ``run_tests`` runs one candidate at a time."""
 
-    def __init__(self, limits: Limits | None = None, backend: str | None = None) -> None:
-        self.sandbox = Sandbox(limits, backend)
+    def __init__(self, limits: Limits | None = None, backend: str | None = None,
+                 allow_weak_isolation: bool = False) -> None:
+        self.sandbox = Sandbox(limits, backend, allow_weak_isolation)
 
     def info(self) -> dict[str, Any]:
-        return {"uid": self.sandbox.uid, "backend": self.sandbox.backend}
+        return {"uid": self.sandbox.uid, "backend": self.sandbox.backend, "memory_bound": self.sandbox.memory_bound}
 
     def run_tests(self, code: str, tests: Sequence[str]) -> TestReport:
         return run_tests(self.sandbox, code, tests)
@@ -40,10 +41,11 @@ class SandboxPool:
     blocking (reward functions run in a thread pool): a request waits for a free actor."""
 
     def __init__(self, size: int = 4, limits: Limits | None = None, backend: str | None = None,
-                 num_cpus: float = 0.0) -> None:
+                 num_cpus: float = 0.0, allow_weak_isolation: bool = False) -> None:
         if size < 1:
             raise ValueError(f"size={size}: a sandbox pool needs at least one actor")
         self.size, self.limits, self.backend, self.num_cpus = size, limits, backend, num_cpus
+        self.allow_weak_isolation = allow_weak_isolation
         self._actors: list[Any] = []
         self._free: queue.Queue[Any] = queue.Queue()
         self._lock = threading.Lock()
@@ -57,7 +59,7 @@ class SandboxPool:
             import ray
 
             cls = ray.remote(num_cpus=self.num_cpus)(SandboxActor)
-            actors = [cls.remote(self.limits, self.backend) for _ in range(self.size)]
+            actors = [cls.remote(self.limits, self.backend, self.allow_weak_isolation) for _ in range(self.size)]
             ray.get([a.info.remote() for a in actors])  # type: ignore[attr-defined]  # surfaces SandboxUnavailable now
             self._actors = actors
             for actor in actors:

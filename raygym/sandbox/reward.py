@@ -10,7 +10,8 @@ returns the fraction of tests passed (``all_or_nothing``:
 what the tests call scores 0 on the tests it did not pass.
 
 ``raygym.sandbox.reward:code_reward`` is an instance with the defaults (4 sandboxes, 5 CPU-seconds,
-10 s wall clock, 512 MiB, 16 processes per run).
+10 s wall clock, 512 MiB, 16 processes per run). Where no backend can isolate, the pool refuses to
+start (naming bubblewrap) unless ``allow_weak_isolation=True``.
 """
 
 from __future__ import annotations
@@ -53,12 +54,14 @@ class CodeReward:
     """Reward = tests passed in a sandbox (see the module docs)."""
 
     def __init__(self, *, prefix: str = "", all_or_nothing: bool = False, pool_size: int = 4,
-                 limits: Limits | None = None, backend: str | None = None, cache_size: int = 4096) -> None:
+                 limits: Limits | None = None, backend: str | None = None, cache_size: int = 4096,
+                 allow_weak_isolation: bool = False) -> None:
         self.prefix = prefix
         self.cache_size = cache_size  # (code, tests) -> report; generated code repeats once a policy converges
         self._cache: OrderedDict[tuple[str, tuple[str, ...]], TestReport] = OrderedDict()
         self.all_or_nothing = all_or_nothing
         self.pool_size, self.limits, self.backend = pool_size, limits or Limits(), backend
+        self.allow_weak_isolation = allow_weak_isolation
         self._pool: Any = None
         self._lock = threading.Lock()
 
@@ -70,7 +73,8 @@ class CodeReward:
         if self._pool is None:
             from raygym.sandbox.pool import SandboxPool
 
-            self._pool = SandboxPool(self.pool_size, self.limits, self.backend)
+            self._pool = SandboxPool(self.pool_size, self.limits, self.backend,
+                                     allow_weak_isolation=self.allow_weak_isolation)
         return self._pool
 
     def score_report(self, report: TestReport) -> float:

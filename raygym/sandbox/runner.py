@@ -1,9 +1,13 @@
-"""Run one untrusted Python program in a sandbox and collect what it printed.
+"""Run untrusted Python in a sandbox: one program (:meth:`Sandbox.run`), or a candidate graded by
+tests in a separate grader process (:meth:`Sandbox.run_graded`, used by
+:func:`raygym.sandbox.harness.run_tests`).
 
-:class:`Sandbox` owns one unprivileged uid (claimed with a lock file, so two sandboxes never share
-one, also across processes), runs one program at a time as that uid inside the namespaces of
-:mod:`raygym.sandbox.isolation`, enforces the wall-clock timeout by killing the whole process group,
-and afterwards kills whatever process of its uid is left (so nothing it started outlives the run).
+:class:`Sandbox` owns two unprivileged uids when it runs as root (one for the candidate, one for its
+grader; claimed with lock files, so two sandboxes never share one, also across processes) and a
+memory cgroup where the machine offers one (:mod:`raygym.sandbox.memcg`). It runs one program at a
+time inside the namespaces of :mod:`raygym.sandbox.isolation`, enforces the wall-clock timeout by
+killing the process groups, and afterwards kills whatever process of its uids is left (so nothing a
+run started outlives it).
 
 >>> box = Sandbox()                                      # doctest: +SKIP
 >>> box.run("print(6 * 7)").stdout                       # doctest: +SKIP
@@ -12,61 +16,45 @@ and afterwards kills whatever process of its uid is left (so nothing it started 
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
+import functools
 import os
-import signal
+import shutil
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from raygym.errors import RaygymError
-from raygym.sandbox.isolation import Limits, backend_argv, detect_backend, python_executable
+from raygym.errors import ConfigError, RaygymError
+from raygym.sandbox import programs
+from raygym.sandbox.isolation import (
+    BACKENDS,
+    WEAK_BACKEND,
+    Limits,
+    SandboxUnavailable,
+    backend_argv,
+    python_executable,
+    seccomp_program,
+    stage_call,
+)
+from raygym.sandbox.memcg import MemoryCgroup, cgroup_name
+from raygym.sandbox.process import Child, RunResult, kill_processes_of, kill_until_gone, processes_of
+from raygym.sandbox.seccomp import UnsupportedArchitecture
 
 UID_RANGE = range(61000, 61512)
+PROBE_UID = 61511  # detect_backend's probe when root: the last uid, claimed like any other
 LOCK_DIR = Path("/tmp/raygym-sandbox-uids")
-BOOTSTRAP = "import sys\nsource = sys.stdin.read()\nsys.stdin.close()\nexec(compile(source, '<sandbox>', 'exec'), {'__name__': '__main__'})\n"
+GRACE_SECONDS = 0.5  # how long a candidate may take to exit once its grader is done
+_PYTHON = ("-I", "-S", "-c")
 
 
-@dataclass
-class RunResult:
-    """How a sandboxed run ended."""
-
-    exit_code: int | None  # None when it was killed for the wall-clock timeout
-    stdout: str
-    stderr: str
-    timed_out: bool
-    seconds: float
-    leftover_processes: int  # processes of the sandbox's uid killed after the run
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
-
-
-def processes_of(uid: int) -> list[int]:
-    """Pids of running processes whose real uid is ``uid`` (zombies, which hold no memory and wait for
-    their reaper, are left out)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status") as fh:
-                fields = dict(line.split(":", 1) for line in fh if ":" in line)
-            if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith(("Z", "X")):
-                found.append(int(entry))
-        except (OSError, ValueError, KeyError):
-            continue
-    return found
-
-
-def _claim_uid() -> tuple[int, int]:
+def _claim_uid(exclude: tuple[int, ...] = ()) -> tuple[int, int]:
     """(uid, lock fd): the first uid of UID_RANGE whose lock file no live process holds."""
     LOCK_DIR.mkdir(mode=0o755, exist_ok=True)
     for uid in UID_RANGE:
+        if uid in exclude:
+            continue
         fd = os.open(LOCK_DIR / str(uid), os.O_CREAT | os.O_RDWR, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -77,29 +65,77 @@ def _claim_uid() -> tuple[int, int]:
     raise RaygymError(f"every sandbox uid in {UID_RANGE.start}..{UID_RANGE.stop - 1} is in use; end other sandboxes")
 
 
-class Sandbox:
-    """One isolated runner. ``backend``: ``bwrap`` | ``unshare`` | None (the first that works).
+class _SeccompPipe:
+    """bubblewrap reads its filter from an inherited descriptor: a pipe holding the program."""
 
-    Run as root it claims its own uid (so the process limit and the final clean-up cover exactly its
-    processes); otherwise it runs as the current user.
-    """
-
-    def __init__(self, limits: Limits | None = None, backend: str | None = None) -> None:
-        self.limits = limits or Limits()
-        self._lock_fd: int | None = None
-        if os.geteuid() == 0:
-            self.uid, self._lock_fd = _claim_uid()
-        else:
-            self.uid = os.geteuid()
-        self.backend = detect_backend(backend, self.uid if os.geteuid() == 0 else None)
-        self.python = python_executable()
-        self._serial = threading.Lock()  # one run at a time: the clean-up kills every process of the uid
+    def __init__(self, backend: str) -> None:
+        self.read_fd = -1
+        if backend == "bwrap":
+            program = seccomp_program(True)
+            self.read_fd, write_fd = os.pipe()
+            os.write(write_fd, program)  # a few KiB: fits the pipe's buffer
+            os.close(write_fd)
 
     def close(self) -> None:
-        """Release the uid (idempotent)."""
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self.read_fd >= 0:
+            os.close(self.read_fd)
+            self.read_fd = -1
+
+
+class Sandbox:
+    """One isolated runner. ``backend``: ``bwrap`` | ``unshare`` | None (the first that works) |
+    ``weak`` (no namespaces: only with ``allow_weak_isolation``, see :mod:`raygym.sandbox.isolation`).
+
+    Run as root it claims its own uids (so the process limit and the final clean-up cover exactly its
+    processes) and a memory cgroup when the machine has one; otherwise it runs as the current user.
+    ``memory_bound`` says how memory is bounded.
+    """
+
+    def __init__(self, limits: Limits | None = None, backend: str | None = None,
+                 allow_weak_isolation: bool = False) -> None:
+        self.limits = limits or Limits()
+        self._locks: list[int] = []
+        self.cgroup: MemoryCgroup | None = None
+        as_root = os.geteuid() == 0
+        if as_root:
+            self.uid, lock = _claim_uid(exclude=(PROBE_UID,))
+            self.grader_uid, grader_lock = _claim_uid(exclude=(PROBE_UID, self.uid))
+            self._locks = [lock, grader_lock]
+        else:
+            self.uid = self.grader_uid = os.geteuid()
+        self._user = self.uid if as_root else None
+        self._grader_user = self.grader_uid if as_root else None
+        try:
+            self.backend = detect_backend(backend, as_root, allow_weak_isolation)
+            self.cgroup = MemoryCgroup.create(cgroup_name(self.uid), self.limits.memory_bytes)
+        except BaseException:
+            self.close()
+            raise
+        self.python = python_executable()
+        self._cgroup_limit = self.limits.memory_bytes
+        self._serial = threading.Lock()  # one run at a time: the clean-up kills every process of the uids
+
+    @property
+    def memory_bound(self) -> str:
+        """How this sandbox bounds memory, in words."""
+        files = ("no private file system (weak isolation)" if self.backend == WEAK_BACKEND else
+                 "sized tmpfs (/tmp, /dev/shm) counted in the budget")
+        if self.cgroup is not None:
+            return f"{self.cgroup.description}: every process and file together; {files}"
+        return f"per-process address space (RLIMIT_AS), no memory cgroup available here; {files}"
+
+    def close(self) -> None:
+        """Release the uids and the cgroup (idempotent)."""
+        if self.cgroup is not None:
+            kill_processes_of(self._uids())
+            try:
+                self.cgroup.remove()
+            except OSError:
+                pass
+            self.cgroup = None
+        for fd in self._locks:
+            os.close(fd)
+        self._locks = []
 
     def __enter__(self) -> Sandbox:
         return self
@@ -110,87 +146,183 @@ class Sandbox:
     def __del__(self) -> None:
         self.close()
 
+    def _uids(self) -> tuple[int, ...]:
+        return tuple(u for u in {self._user, self._grader_user} if u is not None)
+
+    def _prepare(self, limits: Limits) -> Limits:
+        """The limits to start a run with. RLIMIT_NPROC counts every process of the real uid: run as an
+        ordinary user, the user's processes so far come on top."""
+        if self.cgroup is not None and limits.memory_bytes != self._cgroup_limit:
+            self.cgroup.limit(limits.memory_bytes)
+            self._cgroup_limit = limits.memory_bytes
+        if self._user is None:
+            limits = dataclasses.replace(limits, processes=limits.processes + len(processes_of(self.uid)))
+        return limits
+
     def run(self, source: str, limits: Limits | None = None) -> RunResult:
-        """Run the Python program ``source`` (read from stdin by a tiny bootstrap) and return its output."""
+        """Run the Python program ``source`` (after the backend's stage) and return its output."""
         limits = limits or self.limits
-        argv = backend_argv(self.backend, limits, [self.python, "-I", "-S", "-c", BOOTSTRAP])
-        as_root = os.geteuid() == 0
         with self._serial:
-            started = time.monotonic()
-            proc = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                start_new_session=True, close_fds=True, cwd="/",
-                user=self.uid if as_root else None, group=self.uid if as_root else None,
-                extra_groups=[] if as_root else None, env={"PATH": "/usr/bin:/bin"},
-            )
-            timed_out = False
-            readers = [_BoundedReader(proc.stdout, limits.output_bytes), _BoundedReader(proc.stderr, limits.output_bytes)]
+            limits = self._prepare(limits)
+            child = start_sandboxed(self.backend, limits, programs.run_program(stage_call(self.backend, limits)),
+                                    _encode(source), uid=self._user, cgroup=self.cgroup)
             try:
-                try:
-                    assert proc.stdin is not None
-                    proc.stdin.write(source.encode())
-                    proc.stdin.close()
-                except BrokenPipeError:  # it died before reading its program; its exit code says why
-                    pass
-                proc.wait(timeout=limits.wall_seconds)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill_group(proc.pid)
-                proc.wait()
+                child.feed()
+                finished = child.wait(limits.wall_seconds)
+            finally:
+                child.kill()
+            return child.result(timed_out=not finished, leftovers=self._clean_up())
+
+    def run_graded(self, code: str, tests_payload: bytes, limits: Limits | None = None) -> tuple[RunResult, RunResult]:
+        """Run ``code`` as the candidate and the grader (fed ``tests_payload``) beside it, connected by two
+        pipes; returns (candidate, grader) results. The grader runs outside the candidate's namespaces as
+        a uid of its own (as root): the candidate can neither see nor signal it."""
+        limits = limits or self.limits
+        with self._serial:
+            limits = self._prepare(limits)
+            request_r, request_w = os.pipe()  # grader -> candidate
+            reply_r, reply_w = os.pipe()  # candidate -> grader
+            children: list[Child] = []
+            try:
+                program = programs.candidate_program(stage_call(self.backend, limits), request_r, reply_w,
+                                                     limits.message_bytes)
+                children.append(start_sandboxed(self.backend, limits, program, _encode(code), uid=self._user,
+                                                cgroup=self.cgroup, pass_fds=(request_r, reply_w)))
+                bootstrap, modules = programs.grader_program(request_w, reply_r, limits.message_bytes,
+                                                             undumpable=self._user is None)
+                children.append(Child(
+                    grader_limits(limits).prlimit_argv() + [self.python, *_PYTHON, bootstrap], uid=self._grader_user,
+                    stdin=programs.stdin_for(modules, tests_payload, programs.reads_our_bytecode(self.python)),
+                    output_cap=limits.output_bytes, pass_fds=(request_w, reply_r)))
             except BaseException:
-                _kill_group(proc.pid)
-                proc.wait()
+                for child in children:
+                    child.kill()
                 raise
-            out, err = (reader.result(timeout=5.0) for reader in readers)
-            leftovers = self._kill_leftovers() if as_root else 0
-            return RunResult(
-                exit_code=None if timed_out else proc.returncode,
-                stdout=out.decode(errors="replace"),
-                stderr=err.decode(errors="replace"),
-                timed_out=timed_out, seconds=time.monotonic() - started, leftover_processes=leftovers,
-            )
+            finally:
+                for fd in (request_r, request_w, reply_r, reply_w):
+                    os.close(fd)
+            candidate, grader = children
+            try:
+                candidate.feed()
+                grader.feed()
+                deadline = candidate.started + limits.wall_seconds
+                graded = grader.wait(deadline - time.monotonic())
+                if graded:  # the verdicts are in; the candidate exits at the end of its channel
+                    candidate.wait(min(GRACE_SECONDS, deadline - time.monotonic()))
+            finally:
+                grader.kill()
+                candidate.kill()
+            leftovers = self._clean_up()
+            return (candidate.result(timed_out=not graded, leftovers=leftovers),
+                    grader.result(timed_out=not graded, leftovers=leftovers))
 
-    def _kill_leftovers(self) -> int:
-        """SIGKILL every process of this sandbox's uid until none is left; returns how many there were."""
-        killed: set[int] = set()
-        for _ in range(50):
-            pids = processes_of(self.uid)
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.add(pid)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.01)  # the kernel reaps them asynchronously
-        return len(killed)
+    def _clean_up(self) -> int:
+        """Kill what a run left: the candidate's processes (all in its cgroup, which they cannot leave, when
+        there is one; else every process of its uids)."""
+        if self.cgroup is not None:
+            return kill_until_gone(self.cgroup.pids)
+        return kill_processes_of(self._uids())
+
+    @staticmethod
+    def probe_run(backend: str, as_root: bool, source: str) -> RunResult:
+        """One short run of ``source`` on ``backend`` as the probe uid (as root), without detection."""
+        limits = Limits()
+        lock, uid = -1, None
+        if as_root:
+            uid, lock = _claim_probe_uid()
+        else:
+            limits = dataclasses.replace(limits, processes=limits.processes + len(processes_of(os.geteuid())))
+        try:
+            child = start_sandboxed(backend, limits, programs.run_program(stage_call(backend, limits)),
+                                    _encode(source), uid=uid, cgroup=None)
+            try:
+                child.feed()
+                finished = child.wait(30.0)
+            finally:
+                child.kill()
+            leftovers = kill_processes_of([uid]) if uid is not None else 0
+            return child.result(timed_out=not finished, leftovers=leftovers)
+        finally:
+            if lock >= 0:
+                os.close(lock)
 
 
-class _BoundedReader:
-    """Drains a pipe on a thread, keeping at most ``cap`` bytes: a program that floods its output cannot
-    fill the host's memory (nor block on a full pipe)."""
-
-    def __init__(self, stream: Any, cap: int) -> None:
-        self.stream, self.cap = stream, cap
-        self.kept = bytearray()
-        self.thread = threading.Thread(target=self._drain, daemon=True)
-        self.thread.start()
-
-    def _drain(self) -> None:
-        while chunk := self.stream.read1(65536):
-            room = self.cap - len(self.kept)
-            if room > 0:
-                self.kept += chunk[:room]
-
-    def result(self, timeout: float) -> bytes:
-        # The group is dead; a grandchild that escaped the group could still hold the pipe: don't wait forever.
-        self.thread.join(timeout)
-        return bytes(self.kept)
+def _encode(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
 
 
-def _kill_group(pgid: int) -> None:
+def start_sandboxed(backend: str, limits: Limits, program: tuple[str, tuple[str, ...]], payload: bytes, *,
+                    uid: int | None, cgroup: MemoryCgroup | None, pass_fds: tuple[int, ...] = ()) -> Child:
+    """Start ``program`` (bootstrap, shipped modules; see :mod:`raygym.sandbox.programs`) with ``payload``
+    isolated by ``backend``, as ``uid``, in ``cgroup``, inheriting ``pass_fds``. Not fed yet."""
+    python = python_executable()
+    bootstrap, modules = program
+    stdin = programs.stdin_for(modules, payload, programs.reads_our_bytecode(python))
+    seccomp = _SeccompPipe(backend)
     try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+        argv = backend_argv(backend, limits, [python, *_PYTHON, bootstrap], seccomp.read_fd if seccomp.read_fd >= 0 else None)
+        fds = pass_fds + ((seccomp.read_fd,) if seccomp.read_fd >= 0 else ())
+        return Child(argv, uid=uid, stdin=stdin, output_cap=limits.output_bytes, pass_fds=fds, cgroup=cgroup)
+    finally:
+        seccomp.close()
+
+
+def _claim_probe_uid() -> tuple[int, int]:
+    """The probe's uid, waiting for another process's probe to finish."""
+    LOCK_DIR.mkdir(mode=0o755, exist_ok=True)
+    fd = os.open(LOCK_DIR / str(PROBE_UID), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return PROBE_UID, fd
+
+
+def grader_limits(limits: Limits) -> Limits:
+    """The grader's own limits: it runs only the tests and decodes the candidate's answers (each at most
+    ``message_bytes``, which may decode to many times that), with the run's CPU time."""
+    return Limits(cpu_seconds=limits.cpu_seconds + 1, wall_seconds=limits.wall_seconds,
+                  memory_bytes=max(1024 ** 3, 32 * limits.message_bytes), tmp_bytes=1024 * 1024,
+                  processes=8, open_files=32, output_bytes=limits.output_bytes, message_bytes=limits.message_bytes)
+
+
+def _probe(backend: str, as_root: bool) -> str | None:
+    """None when ``backend`` runs a trivial program fully isolated, else why not."""
+    tool = {"bwrap": "bwrap", "unshare": "unshare", WEAK_BACKEND: "prlimit"}[backend]
+    if shutil.which(tool) is None or shutil.which("prlimit") is None:
+        return f"{tool} or prlimit is not installed"
+    try:
+        result = Sandbox.probe_run(backend, as_root, "print('ok')")
+    except (OSError, subprocess.SubprocessError, UnsupportedArchitecture) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if result.exit_code != 0 or result.stdout.strip() != "ok":
+        return f"exit {result.exit_code}: {result.stderr.strip()[-300:]}"
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def detect_backend(preferred: str | None = None, as_root: bool = False, allow_weak_isolation: bool = False) -> str:
+    """The first backend (``preferred`` only, when given) that isolates here; raises
+    :class:`SandboxUnavailable` saying why each failed. ``weak`` is used (and may be preferred) only
+    with ``allow_weak_isolation``. ``as_root``: probe as a sandbox uid, as a root host runs them."""
+    known = BACKENDS + (WEAK_BACKEND,)
+    if preferred is not None and preferred not in known:
+        raise ConfigError(f"sandbox backend={preferred!r}: one of {known}")
+    if preferred == WEAK_BACKEND and not allow_weak_isolation:
+        raise ConfigError("sandbox backend='weak' runs generated code without namespaces; pass "
+                          "allow_weak_isolation=True to mean it, or install bubblewrap")
+    order = [preferred] if preferred else list(BACKENDS)
+    reasons = []
+    for backend in order:
+        why = _probe(backend, as_root)
+        if why is None:
+            return backend
+        reasons.append(f"{backend}: {why}")
+    if allow_weak_isolation and preferred is None:
+        why = _probe(WEAK_BACKEND, as_root)
+        if why is None:
+            return WEAK_BACKEND
+        reasons.append(f"{WEAK_BACKEND}: {why}")
+    raise SandboxUnavailable(
+        "cannot isolate generated code on this machine (" + "; ".join(reasons) + "). Install bubblewrap "
+        "(apt-get install bubblewrap) and allow unprivileged user namespaces (sysctl "
+        "kernel.unprivileged_userns_clone=1, or user.max_user_namespaces > 0); or, for code you would run "
+        "unsandboxed anyway, pass allow_weak_isolation=True (no namespaces: it sees the host's files)"
+    )

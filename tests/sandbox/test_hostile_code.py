@@ -3,7 +3,7 @@
 Every hostile program defines ``f`` so that it is RIGHT only if its attack succeeded
 (``def f(x): return x + 1 if attack_worked else -1``; the test is ``assert f(1) == 2``), so a score of
 0 means the attack failed, and the host is checked directly afterwards. Run for each isolation
-backend that works here (bubblewrap, and unshare as the fallback).
+backend that works here (bubblewrap, and unshare as the fallback; see conftest.py).
 """
 
 from __future__ import annotations
@@ -16,36 +16,11 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
-from raygym.sandbox import Limits, Sandbox, SandboxUnavailable, run_tests
-from raygym.sandbox.isolation import detect_backend
-from raygym.sandbox.runner import processes_of
+from raygym.sandbox import Limits, Sandbox, run_tests
+from raygym.sandbox.process import processes_of
+from tests.sandbox.hostile import FAST, hostile
 
 TEST = ["assert f(1) == 2"]
-FAST = Limits(cpu_seconds=2, wall_seconds=4.0, memory_bytes=256 * 1024 * 1024, processes=16)
-
-
-def available_backends() -> list[str]:
-    found = []
-    for backend in ("bwrap", "unshare"):
-        try:
-            detect_backend(backend, 61511 if os.geteuid() == 0 else None)
-            found.append(backend)
-        except SandboxUnavailable:
-            pass
-    return found
-
-
-BACKENDS = available_backends()
-pytestmark = pytest.mark.skipif(not BACKENDS, reason="no sandbox backend works on this machine")
-
-
-@pytest.fixture(params=BACKENDS)
-def box(request):
-    with Sandbox(FAST, backend=request.param) as sandbox:
-        yield sandbox
-        assert processes_of(sandbox.uid) == []  # nothing it started outlives a run
 
 
 def mem_available() -> int:
@@ -55,18 +30,13 @@ def mem_available() -> int:
     raise AssertionError("no MemAvailable")
 
 
-def hostile(attack: str) -> str:
-    """A candidate whose f is right only when ``attack`` (code setting ``worked``) succeeded."""
-    return f"worked = False\n{attack}\ndef f(x):\n    return x + 1 if worked else -1\n"
-
-
 def test_honest_code_scores_and_partial_credit(box):
     full = run_tests(box, "def f(x):\n    return x + 1\n", ["assert f(1) == 2", "assert f(5) == 6"])
     assert (full.passed, full.total, full.loaded) == (2, 2, True)
     half = run_tests(box, "f = lambda x: 2", ["assert f(1) == 2", "assert f(5) == 6"])
     assert half.passed == 1
     fake = run_tests(box, "print('PASS 0')\nprint('x PASS 0')\nf = lambda x: 0", ["assert f(1) == 2"])
-    assert fake.passed == 0  # printed lines without the run's nonce do not count
+    assert fake.passed == 0  # what the candidate prints is not a verdict
 
 
 def test_infinite_loop_is_stopped(box):
