@@ -1,8 +1,9 @@
 """Things raygym ships so that a run needs no download: a tiny Qwen3 model with a character
 tokenizer, and a synthetic, verifiable task.
 
-URIs: ``builtin:tiny-qwen3`` (model) and ``builtin:next-digit`` (dataset). They are materialised
-into a local directory on first use; the same seed always gives the same files.
+URIs: ``builtin:tiny-qwen3`` (model), ``builtin:next-digit`` and ``builtin:long-tail`` (datasets, each
+with its reward: :data:`BUILTIN_TASKS`). They are materialised into a local directory on first use; the same
+seed always gives the same files.
 
 >>> import tempfile
 >>> path = materialize_model("builtin:tiny-qwen3", tempfile.mkdtemp())
@@ -24,7 +25,15 @@ from typing import Any
 BUILTIN_PREFIX = "builtin:"
 TINY_MODEL = "builtin:tiny-qwen3"
 NEXT_DIGIT_TASK = "builtin:next-digit"
-NEXT_DIGIT_ROWS = 1024  # rows of the materialised next-digit dataset
+NEXT_DIGIT_ROWS = 1024  # rows of a materialised builtin dataset
+# Next-digit rows (one-token answers) and, one row in COPY_EVERY, a copy row (a 24-56 character answer): once
+# a model learns it, response lengths have a heavy tail, the case asynchronous training is for.
+LONG_TAIL_TASK = "builtin:long-tail"
+COPY_EVERY = 8
+COPY_CHARS = string.digits + string.ascii_lowercase
+COPY_LENGTHS = (24, 56)
+# The builtin datasets and the built-in reward (rm_type) that scores each.
+BUILTIN_TASKS = {NEXT_DIGIT_TASK: "next_digit", LONG_TAIL_TASK: "long_tail"}
 
 PAD, EOS = "<|pad|>", "<|eos|>"
 # One token per character; small so a random model can learn the task in minutes.
@@ -140,17 +149,69 @@ def next_digit_reward(response: str, label: str) -> float:
     return reward + (0.25 if len(text) == 1 else 0.0)
 
 
+def long_tail_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """Rows of the ``long-tail`` task: ``n // COPY_EVERY`` copy rows (prompt ``"copy:k3x...="``, label the
+    24-56 characters between ``:`` and ``=``) at seeded positions, next-digit rows elsewhere.
+
+    >>> rows = long_tail_rows(16, seed=0)
+    >>> sum(r["prompt"].startswith("copy:") for r in rows), all(r["prompt"] == f"copy:{r['label']}=" for r in rows
+    ...                                                           if r["prompt"].startswith("copy:"))
+    (2, True)
+    """
+    rng = random.Random(seed)
+    copies = set(rng.sample(range(n), n // COPY_EVERY))
+    rows = []
+    for i in range(n):
+        if i in copies:
+            text = "".join(rng.choice(COPY_CHARS) for _ in range(rng.randint(*COPY_LENGTHS)))
+            rows.append({"prompt": f"copy:{text}=", "label": text})
+        else:
+            d = rng.randrange(10)
+            rows.append({"prompt": f"next:{d}=", "label": str((d + 1) % 10)})
+    return rows
+
+
+def copy_reward(response: str, label: str) -> float:
+    """0.75 times the share of the label the stripped response starts with, 0.25 more for all of it and
+    nothing else.
+
+    >>> copy_reward("abcd", "abcd"), copy_reward("abxx", "abcd"), copy_reward("abcde", "abcd"), copy_reward("", "abcd")
+    (1.0, 0.375, 0.75, 0.0)
+    """
+    text = response.strip()
+    prefix = len(os.path.commonprefix([text, label]))
+    return 0.75 * prefix / max(len(label), 1) + (0.25 if text == label else 0.0)
+
+
+def long_tail_reward(response: str, label: str) -> float:
+    """The ``long-tail`` task's reward: a one-character label is a next-digit row
+    (:func:`next_digit_reward`), a longer one a copy row (:func:`copy_reward`).
+
+    >>> long_tail_reward("8", "8"), long_tail_reward("k3x", "k3xq")
+    (1.0, 0.5625)
+    """
+    return next_digit_reward(response, label) if len(label) == 1 else copy_reward(response, label)
+
+
+TASK_ROWS = {NEXT_DIGIT_TASK: next_digit_rows, LONG_TAIL_TASK: long_tail_rows}
+
+
+def unknown_task(uri: str, field: str = "prompt_data") -> Exception:
+    """The ConfigError for a ``builtin:`` dataset raygym does not ship."""
+    from raygym.errors import ConfigError
+
+    return ConfigError(f"{field}={uri!r}: unknown builtin dataset; use one of {', '.join(map(repr, BUILTIN_TASKS))}")
+
+
 def materialize_dataset(uri: str, directory: str | os.PathLike, seed: int = 0, n: int = NEXT_DIGIT_ROWS) -> str:
     """Write the builtin dataset ``uri`` as jsonl under ``directory`` and return its path."""
-    if uri != NEXT_DIGIT_TASK:
-        from raygym.errors import ConfigError
-
-        raise ConfigError(f"prompt_data={uri!r}: unknown builtin dataset; the builtin dataset is {NEXT_DIGIT_TASK!r}")
-    path = Path(directory) / f"next-digit-seed{seed}-n{n}.jsonl"
+    if uri not in TASK_ROWS:
+        raise unknown_task(uri)
+    path = Path(directory) / f"{uri.removeprefix(BUILTIN_PREFIX)}-seed{seed}-n{n}.jsonl"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in next_digit_rows(n, seed)))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in TASK_ROWS[uri](n, seed)))
         os.replace(tmp, path)
     return str(path)
 

@@ -34,12 +34,11 @@ class RunFacts:
 
 
 def _check_dataset(url: str, cfg: TrainConfig, field_name: str) -> DataSummary:
-    from raygym.builtin import NEXT_DIGIT_ROWS, NEXT_DIGIT_TASK, is_builtin
+    from raygym.builtin import BUILTIN_TASKS, NEXT_DIGIT_ROWS, is_builtin, unknown_task
 
     if is_builtin(url):
-        if url != NEXT_DIGIT_TASK:
-            raise ConfigError(f"{field_name}={url!r}: unknown builtin dataset; the builtin dataset is "
-                              f"{NEXT_DIGIT_TASK!r}")
+        if url not in BUILTIN_TASKS:
+            raise unknown_task(url, field_name)
         return DataSummary(url, NEXT_DIGIT_ROWS, True, ("prompt", "label"))
     ds = cfg.dataset
     return check_prompt_data(url, input_key=ds.input_key, label_key=ds.label_key, fmt=ds.format,
@@ -48,9 +47,9 @@ def _check_dataset(url: str, cfg: TrainConfig, field_name: str) -> DataSummary:
 
 def check_rewards(cfg: TrainConfig, data: DataSummary) -> list[Any]:
     """Resolve the run's reward functions (importing custom ones and reading their signatures), refuse
-    the builtin task's reward on other data, and check that TRL-style functions get every column they
+    a builtin task's reward on other data, and check that TRL-style functions get every column they
     require."""
-    from raygym.builtin import NEXT_DIGIT_TASK
+    from raygym.builtin import BUILTIN_TASKS
     from raygym.config import RM_TYPES, TASK_RM_TYPES
     from raygym.reward_signatures import missing_inputs
     from raygym.rewards import default_rm_type, resolve_reward_functions, rm_type_choices
@@ -59,11 +58,15 @@ def check_rewards(cfg: TrainConfig, data: DataSummary) -> list[Any]:
     prompt_data = cfg.dataset.prompt_data
     rm_type = default_rm_type(recipe, prompt_data)
     custom = recipe.custom_rm_function or recipe.reward_functions
-    if rm_type == "next_digit" and not custom and prompt_data != NEXT_DIGIT_TASK:
-        others = ", ".join(repr(name) for name in RM_TYPES if name != "next_digit")
+    task_of_reward = {reward: task for task, reward in BUILTIN_TASKS.items()}
+    task = task_of_reward.get(rm_type or "")
+    if task is not None and not custom and prompt_data != task:
+        own = BUILTIN_TASKS.get(prompt_data)
+        others = ", ".join(repr(name) for name in RM_TYPES if name not in task_of_reward)
         raise ConfigError(
-            f"rm_type='next_digit' scores the builtin next-digit task (the tiny preset sets it), but prompt_data="
-            f"{prompt_data!r} is other data; pass --rm-type with one of {others} "
+            f"rm_type={rm_type!r} scores the builtin {task.removeprefix('builtin:')} task"
+            f"{' (the tiny preset sets it)' if rm_type == 'next_digit' else ''}, but prompt_data={prompt_data!r} "
+            f"is other data; pass --rm-type {own if own else f'with one of {others}'} "
             "(or --custom-rm-function pkg.module:function)"
         )
     if (rm_type in TASK_RM_TYPES or (rm_type is None and recipe.rollout_env is not None)) and not custom:

@@ -3,7 +3,7 @@
 Built-ins (``rm_type``): ``math`` (final ``\\boxed{}`` answer, else the last number, compared after
 normalisation), ``math_verify`` (the ``math-verify`` package: LaTeX, sets, intervals, symbolic
 equality; ``pip install 'raygym[math]'``), ``gsm8k`` (label ``"... #### N"``; the response's ``#### N``
-or last number), ``exact`` (stripped string equality) and ``next_digit`` (the builtin task).
+or last number), ``exact`` (stripped string equality), ``next_digit`` and ``long_tail`` (the builtin tasks).
 
 Custom reward functions (``custom_rm_function``: a callable or ``"pkg.mod:fn"``, sync or async) are
 called the way their signature says: raygym's ``fn(sample)``, ``fn(prompt, response, label,
@@ -165,6 +165,13 @@ def next_digit_reward(response: str, label: Any) -> float:
     return reward(response, str(label))
 
 
+def long_tail_reward(response: str, label: Any) -> float:
+    """The builtin ``long-tail`` task's reward (see :mod:`raygym.builtin`)."""
+    from raygym.builtin import long_tail_reward as reward
+
+    return reward(response, str(label))
+
+
 def math_verify_reward(response: str, label: Any) -> float:
     """1.0 if the ``math-verify`` package finds the response's answer equal to the label (a GSM8K
     ``#### N`` label is read as N). Needs ``pip install 'raygym[math]'``.
@@ -196,6 +203,7 @@ BUILTIN_REWARDS: dict[str, Callable[[str, Any], float]] = {
     "gsm8k": gsm8k_reward,
     "exact": exact_reward,
     "next_digit": next_digit_reward,
+    "long_tail": long_tail_reward,
 }
 assert tuple(BUILTIN_REWARDS) == RM_TYPES, "raygym.config.RM_TYPES lists the built-in rewards"
 
@@ -445,18 +453,19 @@ def reward_component_metrics(samples: Sequence[Sample], names: Sequence[str], pr
 
 
 def default_rm_type(recipe: Recipe, prompt_data: str | None) -> str | None:
-    """``recipe.rm_type``, or ``next_digit`` for the builtin next-digit task when no reward is set."""
-    from raygym.builtin import NEXT_DIGIT_TASK
+    """``recipe.rm_type``, or the builtin task's own reward (``next_digit``, ``long_tail``) when no reward is
+    set."""
+    from raygym.builtin import BUILTIN_TASKS
 
     if recipe.rm_type is None and not recipe.custom_rm_function and not recipe.reward_functions:
-        if prompt_data == NEXT_DIGIT_TASK:
-            return "next_digit"
+        if prompt_data in BUILTIN_TASKS:
+            return BUILTIN_TASKS[prompt_data]
     return recipe.rm_type
 
 
 def reward_model_from_config(cfg: TrainConfig, executor: Executor | None = None) -> RewardModel:
     """The :class:`RewardModel` of a ``TrainConfig``: ``reward_functions``, else ``custom_rm_function``,
-    else ``rm_type`` (``next_digit`` for the builtin dataset when unset)."""
+    else ``rm_type`` (the builtin dataset's own reward when unset)."""
     recipe = cfg.recipe
     return RewardModel(default_rm_type(recipe, cfg.dataset.prompt_data), recipe.custom_rm_function,
                        recipe.custom_reward_post_process_function,

@@ -143,8 +143,8 @@ class Recipe(Section):
     balance_data: bool = option(False, "Rebalance kept samples across data-parallel ranks.")
     rm_type: str | None = option(
         None,
-        "Built-in reward (next_digit scores the builtin task; math_verify needs raygym[math]). Leave unset "
-        "for a custom reward.",
+        "Built-in reward (next_digit and long_tail score the builtin tasks of the same names; math_verify needs "
+        "raygym[math]). Leave unset for a custom reward.",
     )
     reward_functions: dict[str, float] | None = option(
         None,

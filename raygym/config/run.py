@@ -83,14 +83,15 @@ class ModelConfig(Section):
 
 
 class DatasetConfig(Section):
-    """The prompt data: a jsonl/parquet file (path or fsspec URL) or ``builtin:next-digit``.
+    """The prompt data: a jsonl/parquet file (path or fsspec URL), ``builtin:next-digit`` or ``builtin:long-tail``.
 
     >>> DatasetConfig(prompt_data="gsm8k.jsonl", input_key="question", label_key="answer").format
     'auto'
     """
 
     prompt_data: str = option(
-        "builtin:next-digit", "Training prompts: a jsonl/parquet path or fsspec URL, or builtin:."
+        "builtin:next-digit",
+        "Training prompts: a jsonl/parquet path or fsspec URL, or builtin:next-digit / builtin:long-tail.",
     )
     input_key: str = option("prompt", "Column holding the prompt (a string or a list of chat messages).")
     label_key: str | None = option("label", "Column holding the label passed to the reward function.")
