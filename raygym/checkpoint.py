@@ -355,6 +355,8 @@ def export_hf(checkpoint_dir: str, out_dir: str) -> str:
     """Export a raygym checkpoint (an ``iter_*`` directory, or a save directory: its newest complete one)
     as an HF model directory; used by ``raygym export``. Returns ``out_dir``."""
     path, _ = checkpoint_to_export(checkpoint_dir)
+    if checkpoint_adapter(path) is not None:  # a LoRA run's: its adapter folded into the base model
+        return export_merged(path, out_dir)
     ckpt = load_checkpoint(path, load_optimizer=False)
     fs, croot = fsspec.core.url_to_fs(path)
     with tempfile.TemporaryDirectory(prefix="raygym-hfsrc-") as src:
@@ -365,3 +367,93 @@ def export_hf(checkpoint_dir: str, out_dir: str) -> str:
             with fs.open(entry, "rb") as f:
                 Path(src, entry.rstrip("/").rsplit("/", 1)[-1]).write_bytes(f.read())
         return write_hf_model(ckpt.model_state, src, out_dir)
+
+
+# ── LoRA: a checkpoint's adapter (PEFT's directory format under ``iter_N/adapter/``) ──
+
+
+def checkpoint_adapter(path: str) -> str | None:
+    """The URL of checkpoint ``path``'s adapter directory when it is a LoRA run's checkpoint, else None."""
+    from raygym.lora import ADAPTER_CONFIG, ADAPTER_DIR
+
+    fs, root = fsspec.core.url_to_fs(path)
+    adapter = _join(root, ADAPTER_DIR)
+    if not fs.exists(_join(adapter, ADAPTER_CONFIG)):
+        return None
+    return adapter if _is_local(fs) else fs.unstrip_protocol(adapter)
+
+
+def write_adapter_files(files: dict[str, bytes], hf_source: str, out_url: str) -> str:
+    """Write an adapter's PEFT files (name -> bytes) to ``out_url`` with the tokenizer files of ``hf_source`` beside
+    them (a model's ``config.json`` is left out: the directory is an adapter, which ``peft`` loads onto its base)."""
+    fs, root = fsspec.core.url_to_fs(out_url)
+    fs.makedirs(root, exist_ok=True)
+    for name, data in files.items():
+        _write_bytes_atomic(fs, _join(root, name), data)
+    for name in HF_SIDE_FILES:
+        src = Path(hf_source) / name
+        if name not in ("config.json", "generation_config.json") and src.exists():
+            _write_bytes_atomic(fs, _join(root, name), src.read_bytes())
+    return root if _is_local(fs) else fs.unstrip_protocol(root)
+
+
+def _read_dir(url: str) -> dict[str, bytes]:
+    fs, root = fsspec.core.url_to_fs(url)
+    out = {}
+    for entry in fs.ls(root, detail=False):
+        if fs.isfile(entry):
+            with fs.open(entry, "rb") as f:
+                out[entry.rstrip("/").rsplit("/", 1)[-1]] = f.read()
+    return out
+
+
+def export_adapter(checkpoint_dir: str, out_dir: str) -> str:
+    """Export a LoRA run's checkpoint (an ``iter_*`` directory, or a save directory: its newest complete one) as
+    a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``, tokenizer files)."""
+    path, _ = checkpoint_to_export(checkpoint_dir)
+    adapter = checkpoint_adapter(path)
+    if adapter is None:
+        raise ConfigError(f"checkpoint_dir={path!r}: not a LoRA checkpoint (no adapter/ there); export it with "
+                          "raygym export CHECKPOINT OUT")
+    files = _read_dir(adapter)
+    with tempfile.TemporaryDirectory(prefix="raygym-hfsrc-") as src:
+        for name, data in _read_dir(_join(path, "hf")).items():
+            Path(src, name).write_bytes(data)
+        return write_adapter_files(files, src, out_dir)
+
+
+def adapter_base(adapter_dir: str, base: str | None = None) -> str:
+    """The local base model of a PEFT adapter directory: ``base`` when given, else its ``adapter_config.json``'s
+    ``base_model_name_or_path`` (ConfigError when that is no loadable HF directory)."""
+    from raygym.builtin import is_builtin, resolve_model_path
+    from raygym.lora import ADAPTER_CONFIG
+
+    fs, root = fsspec.core.url_to_fs(adapter_dir)
+    with fs.open(_join(root, ADAPTER_CONFIG), "r") as f:
+        named = str(json.load(f).get("base_model_name_or_path") or "")
+    source = base or named
+    path = resolve_model_path(source) if is_builtin(source) else source
+    if not source or not Path(path, "config.json").is_file():
+        raise ConfigError(f"adapter {adapter_dir!r}: its base model {source!r} is no local HF model directory here; "
+                          "pass the base model's directory (--base DIR)")
+    return path
+
+
+def export_merged(checkpoint_dir: str, out_dir: str, base: str | None = None) -> str:
+    """Export a LoRA run's checkpoint as a whole HF model: the adapter folded into its base model's weights
+    (``base``: the base model directory; default: the one the adapter names)."""
+    from raygym.trainer.lora import merge_into_base
+
+    path, _ = checkpoint_to_export(checkpoint_dir)
+    adapter = checkpoint_adapter(path)
+    if adapter is None:
+        raise ConfigError(f"checkpoint_dir={path!r}: not a LoRA checkpoint (no adapter/ there); --merged applies "
+                          "to LoRA runs only")
+    with tempfile.TemporaryDirectory(prefix="raygym-adapter-") as local:
+        for name, data in _read_dir(adapter).items():
+            Path(local, name).write_bytes(data)
+        state = merge_into_base(adapter_base(local, base), local)
+        with tempfile.TemporaryDirectory(prefix="raygym-hfsrc-") as src:
+            for name, data in _read_dir(_join(path, "hf")).items():
+                Path(src, name).write_bytes(data)
+            return write_hf_model(state, src, out_dir)

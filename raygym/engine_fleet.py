@@ -30,13 +30,15 @@ class EngineFleet:
     """
 
     def __init__(self, recipe: Recipe, engines: Any, trainers: Any, manager: Any, *,
-                 engine_dtype: str | None = None, say: Callable[[str], Any] = print) -> None:
+                 engine_dtype: str | None = None, say: Callable[[str], Any] = print,
+                 adapter: tuple[dict[str, Any], str] | None = None) -> None:
         self.recipe = recipe
         self.engines = engines
         self.trainers = trainers
         self.manager = manager
         self.engine_dtype = engine_dtype  # the checkpoint's floating dtype: what SGLang serves
         self.say = say
+        self.adapter = adapter  # LoRA: (the adapters' PEFT config, where adapter versions are written)
         self.weight_sync: Any = None  # raygym.weightsync.coordinator.WeightSync over `synced`
         self.synced: list[int] = []  # engine indexes the weight sync reaches
         self.urls: list[str] = []
@@ -61,6 +63,12 @@ class EngineFleet:
         overrides: dict[str, Any] = {}
         if info["kind"] in ("sglang", "vllm"):  # send what the engine holds: its dtype, not fp32 masters
             overrides["cast_dtype"] = info.get("dtype") or self.engine_dtype
+        if self.adapter is not None:  # LoRA: the adapters only (raygym.weightsync.adapter for adapter endpoints)
+            from raygym.rollout.capabilities import capabilities
+
+            overrides["adapter_config"] = self.adapter[0]
+            if capabilities(info["kind"]).lora == "lora_endpoints":
+                overrides["disk_dir"] = self.adapter[1]
         sync = WeightSync(self.recipe, self.trainers.handles, [self.urls[i] for i in indexes],
                           engine_kind=info["kind"], session=weight_update_session(info["kind"], info["version"]),
                           spec_overrides=overrides, cost_model=learned)

@@ -71,7 +71,30 @@ def preflight_engine(recipe: Recipe, model_path: str | None = None) -> str:
             from raygym.rollout.vllm_args import check_cpu_head_dim
 
             check_cpu_head_dim(checkpoint_config(model_path).get("head_dim"), model_path)
+    if recipe.lora_rank > 0:
+        preflight_lora(recipe, kind, model_path)
     return kind
+
+
+def preflight_lora(recipe: Recipe, kind: str, model_path: str | None) -> list[str]:
+    """A LoRA run, before Ray starts: the engine kind serves adapters here (CUDA or not), the trainers have
+    ``peft`` (when they run on this machine), every target module is a linear layer of the model at
+    ``model_path``; returns the targeted module paths ([] without a model path). ConfigError names the fix."""
+    import importlib.util
+
+    import torch
+
+    from raygym.lora import LoraSpec, model_targets
+    from raygym.rollout.capabilities import check_lora
+
+    check_lora(kind, mode=recipe.update_weight_mode, double_buffer=recipe.update_weight_double_buffer,
+               cuda=torch.cuda.is_available())
+    if not os.environ.get("RAY_ADDRESS") and importlib.util.find_spec("peft") is None:
+        raise ConfigError("lora_rank > 0: the torch trainer trains adapters with peft, which is not installed; "
+                          "pip install 'raygym[lora]', or set --lora-rank 0")
+    spec = LoraSpec.from_recipe(recipe)
+    assert spec is not None
+    return model_targets(model_path, spec) if model_path else []
 
 
 @dataclass
@@ -148,6 +171,7 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
 
     recipe = cfg.recipe
     engine_kind = choose_rollout_engine(recipe.rollout_engine)
+    lora = lora_setup(recipe, engine_kind, model_path, run_dir)
     graph = RunGraph(recipe, minted_api_key=ENGINE_API_KEY_ENV not in os.environ)
     api_key = os.environ.setdefault(ENGINE_API_KEY_ENV, new_engine_api_key())  # this run's engines require it
     try:
@@ -174,7 +198,7 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
                 "backend": engine_kind,
                 "log_dir": str(run_dir / "logs"),
                 "startup_timeout": ENGINE_START_TIMEOUT_S,
-                "extra_server_args": [],
+                "extra_server_args": lora.server_args if lora else [],
             },
             environment=recipe.environment,
         )
@@ -193,8 +217,12 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
         )
         ray.get(graph.manager.use_engine_api_key.remote(api_key))
         graph.fleet = EngineFleet(recipe, graph.engines, graph.trainers, graph.manager,
-                                  engine_dtype=checkpoint_dtype(model_path), say=say)
+                                  engine_dtype=checkpoint_dtype(model_path), say=say,
+                                  adapter=(lora.adapter_config, lora.directory) if lora else None)
         graph.fleet.connect(list(range(len(graph.engines))))
+        if lora:  # the engines serve the trainer's adapters (identity at first, B = 0) before the first rollout
+            graph.fleet.push(0)
+            graph.fleet.publish(0)
         call_all(graph.trainers, "get_rank")  # surfaces an init failure now, with its traceback
         if graph.critics is not None:
             call_all(graph.critics, "get_rank")
@@ -202,6 +230,28 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
     except BaseException:
         graph.shutdown()
         raise
+
+
+@dataclass(frozen=True)
+class LoraSetup:
+    """How a LoRA run's policy engines serve its adapters."""
+
+    server_args: list[str]  # the engines' extra server flags (raygym.rollout.lora_args)
+    adapter_config: dict[str, Any]  # the PEFT config every synced version is written with
+    directory: str  # where versions go for engines that load adapter directories
+
+
+def lora_setup(recipe: Recipe, kind: str, model_path: str, run_dir: Path) -> LoraSetup | None:
+    """The LoRA part of the graph (None when ``lora_rank`` is 0)."""
+    from raygym.lora import LoraSpec, adapter_config, model_targets
+    from raygym.rollout.lora_args import engine_lora_args
+
+    spec = LoraSpec.from_recipe(recipe)
+    if spec is None:
+        return None
+    targets = model_targets(model_path, spec)
+    directory = recipe.update_weight_disk_dir or str((run_dir / "cache" / "adapter-sync").resolve())
+    return LoraSetup(engine_lora_args(kind, spec, targets), adapter_config(spec, model_path, targets), directory)
 
 
 def checkpoint_dtype(model_path: str) -> str | None:

@@ -10,6 +10,9 @@ Layout of ``<dir>/iter_{rollout_id:07d}/`` (format ``raygym-checkpoint/2``):
 - ``trainer_state/rank_<r>.pt``: rank r's LR-schedule position and RNG states (a rank beyond the saved
   world takes rank 0's);
 - ``extra.json`` (the caller's JSON: data position, ...), ``hf/`` (config and tokenizer files);
+- a LoRA run's ``adapter/``: the adapters in PEFT's directory format (``adapter_config.json``,
+  ``adapter_model.safetensors``), which ``peft`` loads onto the base model; ``dcp/`` then holds the adapters
+  and their optimizer state only;
 - ``manifest.json``: written LAST by rank 0, after every rank's files are complete, listing every file
   and its size (``raygym.checkpoint`` skips a directory without a valid one).
 
@@ -116,6 +119,10 @@ def save_sharded(
     with _dcp_call(world_size) as kwargs:
         dcp.save(tensors, checkpoint_id=_join(url, DCP_DIR), **kwargs)
     if rank == 0:
+        for rel, data in state.files.items():  # e.g. a LoRA run's adapter/ (PEFT's files), listed by the manifest
+            fs.makedirs(_join(path, *rel.split("/")[:-1]), exist_ok=True)
+            with fs.open(_join(path, rel), "wb") as f:
+                f.write(data)
         _finish(fs, path, rollout_id, world_size, state.optimizer is not None, extra, hf_source)
     _barrier(world_size)
     return url

@@ -186,6 +186,18 @@ class Recipe(Section):
         None, "Parameter-name patterns matched with re.search to select frozen weights."
     )
 
+    # ── LoRA (raygym/lora.py, raygym/trainer/lora.py) ──
+    lora_rank: int = option(
+        0, "LoRA rank: train low-rank adapters on the frozen base model and sync only them to the engines "
+        "(torch backend); 0 = full fine-tuning."
+    )
+    lora_alpha: int = option(16, "LoRA alpha: the adapters' update is scaled by lora_alpha / lora_rank.")
+    lora_dropout: float = option(0.0, "Dropout on the adapters' input while training.")
+    lora_target_modules: str = option(
+        "all-linear", "Modules the adapters attach to: 'all-linear' (every linear layer but the output head) or "
+        "comma-separated module names (q_proj,k_proj,v_proj,o_proj)."
+    )
+
     # ── memory and precision ──
     attention_dropout: float = option(0.0, "Attention dropout probability.")
     hidden_dropout: float = option(0.0, "Hidden-layer dropout probability.")
@@ -374,6 +386,8 @@ class Recipe(Section):
         for field in ("train_env_vars",):
             if isinstance(data.get(field), str):
                 data[field] = parse_json_object(field, data[field])
+        if isinstance(data.get("lora_target_modules"), (list, tuple)):  # PEFT's list form, kept as one string
+            data["lora_target_modules"] = ",".join(str(m) for m in data["lora_target_modules"])
         extra = data.get("extra_config")
         if extra is None:
             return data

@@ -29,6 +29,7 @@ from raygym.config.constants import (
 )
 from raygym.errors import ConfigError
 from raygym.rollout.capabilities import check_weight_sync
+from raygym.rollout.capabilities import check_lora as check_lora_engine
 
 if TYPE_CHECKING:
     from raygym.config.recipe import Recipe
@@ -49,6 +50,7 @@ def validate_recipe(r: Recipe) -> None:
     check_modes(r)
     check_batches(r)
     check_judge_and_teacher(r)
+    check_lora(r)
     for field in CUSTOM_FUNCTION_FIELDS:
         value = getattr(r, field)
         if value is not None and not isinstance(value, str) and not callable(value):
@@ -261,6 +263,49 @@ def check_judge_and_teacher(r: Recipe) -> None:
     check_range("distill_task_weight", r.distill_task_weight, 0.0, math.inf)
 
 
+def check_lora(r: Recipe) -> None:
+    """The ``lora_*`` fields (:mod:`raygym.lora`): a rank of 0 turns LoRA off, so the other fields must then keep
+    their defaults (a value there would be silently ignored); the targets' syntax (checked against the model
+    before Ray starts, by :func:`raygym.graph.preflight_engine`)."""
+    from raygym.lora import parse_target_modules
+
+    if r.lora_rank < 0:
+        raise ConfigError(f"lora_rank={r.lora_rank}: must be >= 0; set --lora-rank 8 (or 16, 32, ...) to train "
+                          "adapters, or 0 for full fine-tuning")
+    if r.lora_rank == 0:
+        defaults = {name: type(r).model_fields[name].default for name in LORA_SETTINGS}
+        changed = [f"{name}={getattr(r, name)!r}" for name in LORA_SETTINGS if getattr(r, name) != defaults[name]]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} but lora_rank=0 (LoRA off): set --lora-rank 8 (or 16, 32, ...) "
+                              "to train adapters, or leave the lora_* fields at their defaults")
+        return
+    if r.lora_alpha <= 0:
+        raise ConfigError(f"lora_alpha={r.lora_alpha}: must be > 0 (the update is scaled by lora_alpha / lora_rank), "
+                          "e.g. --lora-alpha 16")
+    check_range("lora_dropout", r.lora_dropout, 0.0, 1.0, high_open=True)
+    parse_target_modules(r.lora_target_modules)
+    requests = model_parallel_requests(r)
+    if r.trainer_backend == "megatron" or requests:
+        why = f"trainer_backend={r.trainer_backend!r}" + (f" with {', '.join(requests)}" if requests else "")
+        raise ConfigError(
+            f"lora_rank={r.lora_rank} with {why}: LoRA trains on the torch backend only (megatron-core ships no "
+            "LoRA); set --trainer-backend torch (data parallel: tensor_model_parallel_size=1, "
+            "expert_model_parallel_size=1, no sequence_parallel), or --lora-rank 0 for full fine-tuning on Megatron"
+        )
+    if r.freeze_params_name_list:
+        raise ConfigError("freeze_params_name_list with lora_rank > 0: LoRA already freezes every base weight and "
+                          "trains the adapters only; drop --freeze-params-name-list or set --lora-rank 0")
+    if r.rollout_engine != "auto":
+        check_lora_engine(r.rollout_engine, mode=r.update_weight_mode, double_buffer=r.update_weight_double_buffer)
+    if r.use_critic:
+        raise ConfigError("use_critic=True with lora_rank > 0: the PPO critic is a full model of its own; raygym "
+                          "trains LoRA for the policy of critic-free estimators (grpo, dr_grpo, gspo, reinforce++); "
+                          "set --lora-rank 0 or use one of those")
+
+
+LORA_SETTINGS = ("lora_alpha", "lora_dropout", "lora_target_modules")
+
+
 def model_parallel_requests(r: Recipe) -> list[str]:
     """``field=value`` of every model-parallel setting this recipe asks for (sizes > 1,
     ``sequence_parallel``): only the Megatron trainer backend runs them.
@@ -295,6 +340,8 @@ def check_trainer_backend(r: Recipe, *, megatron_installed: bool | None = None) 
                 "expert_model_parallel_size (or more data-parallel GPUs) instead"
             )
     requests = model_parallel_requests(r)
+    if r.lora_rank > 0:  # check_lora refused Megatron and model parallelism already
+        return "torch"
     if r.trainer_backend == "torch" and requests:
         raise ConfigError(
             f"trainer_backend='torch' with {', '.join(requests)}: the torch backend is data parallel (FSDP2) "

@@ -26,6 +26,21 @@ Engine kinds:
   Verification: the probe (vLLM's parameters are fused, TP-sharded and, on CPU, repacked into kernel
   layouts, so no HF-named bytes exist to checksum).
 
+LoRA (``lora_rank > 0``): only the adapters are synced, in the form each kind takes (``lora``):
+
+- ``raygym``: ``"weights"``: its server attaches the adapters to its model as parameters of their own
+  (``<module>.lora_A.weight``, applied beside the base layer, never merged into it), so adapter tensors travel
+  and are verified exactly like weights (checksums; full, delta or auto over every transport).
+- ``sglang``: ``"lora_endpoints"``: launched with ``--enable-lora``, it loads each version's PEFT directory through
+  ``/load_lora_adapter`` (after ``/unload_lora_adapter``) and requests name it in ``lora_path``; verified by the
+  probe (whose requests name it too). GPU only: SGLang's CPU backend cannot serve adapters
+  (``sglang/srt/lora/layers.py``: every LoRA layer pins host memory, ``torch.tensor(..., pin_memory=True)`` in
+  ``ColumnParallelLinearWithLoRA.__init__``, ``RowParallelLinearWithLoRA.set_lora_info`` and the others, which
+  needs a CUDA driver; checked with 0.5.15.post1, 0.5.18 and 0.5.23).
+- ``vllm``: ``"lora_endpoints"``: raygym's adapter runs vLLM with ``enable_lora`` and turns the same routes into
+  ``LoRARequest``s (a new one replaces the served adapter at once, ``lora_replace``); verified by the probe.
+  Adapters load whole from a directory: full syncs only (``auto`` means full).
+
 >>> caps = capabilities("sglang")
 >>> caps.verification, sorted(caps.delta_transports)
 ('probe', ['disk'])
@@ -65,6 +80,9 @@ class EngineCapabilities:
         accepts_api_key_env: the server reads its API key from the environment (else from a config file).
         double_buffer: the engine can receive the next version into a shadow copy while it keeps serving
             the current one, and switch between two forward passes (``update_weight_double_buffer``).
+        lora: how the kind serves LoRA adapters (module docstring): ``"weights"`` or ``"lora_endpoints"``.
+        lora_on_cpu: whether it serves them without CUDA.
+        lora_replace: ``/load_lora_adapter`` of a loaded name replaces it in one step (else unload first).
     """
 
     kind: str
@@ -76,6 +94,9 @@ class EngineCapabilities:
     memory_release: str
     accepts_api_key_env: bool
     double_buffer: bool = False
+    lora: str = "lora_endpoints"
+    lora_on_cpu: bool = True
+    lora_replace: bool = False
 
 
 # Custom loaders (SGLang's convention: ``fn(model, named_tensors)``, imported by dotted path).
@@ -87,19 +108,19 @@ _CAPABILITIES = {
         kind="raygym", verification="checksum",
         full_transports=frozenset(TRANSPORTS), delta_transports=frozenset({"nccl", "disk"}),
         dist_format="raygym_bucket", delta_loader=DIRECT_LOADER, memory_release="always",
-        accepts_api_key_env=True, double_buffer=True,
+        accepts_api_key_env=True, double_buffer=True, lora="weights",
     ),
     "sglang": EngineCapabilities(
         kind="sglang", verification="probe",
         full_transports=frozenset(TRANSPORTS), delta_transports=frozenset({"disk"}),
         dist_format="flattened_bucket", delta_loader=MODEL_LOADER, memory_release="memory_saver",
-        accepts_api_key_env=False,
+        accepts_api_key_env=False, lora_on_cpu=False,
     ),
     "vllm": EngineCapabilities(
         kind="vllm", verification="probe",
         full_transports=frozenset(TRANSPORTS), delta_transports=frozenset({"nccl", "disk"}),
         dist_format="flattened_bucket", delta_loader=MODEL_LOADER, memory_release="sleep_mode",
-        accepts_api_key_env=True,
+        accepts_api_key_env=True, lora_replace=True,
     ),
 }
 
@@ -187,3 +208,28 @@ def check_weight_sync(kind: str, *, mode: str, transport: str, colocate: bool, d
         f"update_weight_mode={mode!r} over update_weight_transport={transport!r} is not supported by "
         f"rollout_engine={kind!r}; supported transports: {sorted(allowed)}"
     )
+
+
+def check_lora(kind: str, *, mode: str, double_buffer: bool, cuda: bool | None = None) -> None:
+    """Raise ConfigError when engine kind ``kind`` cannot serve a LoRA run's adapters as configured (``cuda``:
+    whether the engines have CUDA; None = not known yet, checked again where the engines start).
+
+    >>> check_lora("raygym", mode="delta", double_buffer=False)
+    >>> check_lora("sglang", mode="full", double_buffer=False, cuda=False)
+    Traceback (most recent call last):
+    ...
+    raygym.errors.ConfigError: lora_rank > 0 with rollout_engine='sglang' on CPU: SGLang's CPU backend cannot serve LoRA adapters (sglang/srt/lora/layers.py: its LoRA layers pin host memory, which needs a CUDA driver); use --rollout-engine vllm (its CPU build serves adapters) or --rollout-engine raygym
+    """
+    caps = capabilities(kind)
+    if cuda is False and not caps.lora_on_cpu:
+        raise ConfigError(
+            f"lora_rank > 0 with rollout_engine={kind!r} on CPU: SGLang's CPU backend cannot serve LoRA adapters "
+            "(sglang/srt/lora/layers.py: its LoRA layers pin host memory, which needs a CUDA driver); use "
+            "--rollout-engine vllm (its CPU build serves adapters) or --rollout-engine raygym")
+    if caps.lora == "lora_endpoints" and mode == "delta":
+        raise ConfigError(
+            f"update_weight_mode='delta' with lora_rank > 0 and rollout_engine={kind!r}: {kind} loads each version's "
+            "adapter whole from a PEFT directory; use --update-weight-mode full (an adapter is a few MB) or auto, "
+            "or --rollout-engine raygym (its adapters take deltas)")
+    if double_buffer and not caps.double_buffer:
+        check_weight_sync(kind, mode="full", transport="nccl", colocate=False, double_buffer=True)

@@ -123,11 +123,13 @@ class EnginePool:
         health_first_wait: float = 300.0,
         no_engine_timeout: float = 600.0,
         max_attempts: int | None = None,
+        request_fields: dict[str, Any] | None = None,
     ) -> None:
         if not engines:
             raise RaygymError("EnginePool needs at least one engine")
         self.engines = list(engines)
         self.fault_tolerance = fault_tolerance
+        self.request_fields = dict(request_fields or {})  # added to every /generate (a LoRA run's lora_path)
         self.router = Router(len(engines), weight_version)
         self.urls: list[str] = [""] * len(engines)
         self.clients: list[Any] = [None] * len(engines)
@@ -223,6 +225,8 @@ class EnginePool:
         raises :class:`RaygymError` naming the engine. A response that finished with ``abort`` (an
         engine paused or aborted it) is re-sent too."""
         exclude: set[int] = set()
+        if self.request_fields:
+            payload = {**payload, **self.request_fields}
         for attempt in range(1, self.max_attempts + 1):
             i = await self._acquire(exclude)
             incarnation = self.incarnation[i]

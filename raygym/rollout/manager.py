@@ -64,6 +64,7 @@ from raygym.rewards import (
     reward_component_metrics,
     reward_model_from_config,
 )
+from raygym.rollout.lora_args import adapter_request_fields
 from raygym.rollout import tasks
 from raygym.rollout.filters import GroupFilter, load_group_filter
 from raygym.rollout.health import ClientFactory, EnginePool
@@ -196,6 +197,7 @@ class RolloutManager:
             health_interval=s.rollout_health_check_interval,
             health_timeout=s.rollout_health_check_timeout,
             health_first_wait=s.rollout_health_check_first_wait,
+            request_fields=adapter_request_fields(cfg.recipe),
         )
         self.max_sampling_rounds = max_sampling_rounds
         self.pass_threshold = pass_threshold  # a sample "passes" for pass@k when reward >= this

@@ -51,6 +51,8 @@ class Endpoint(str, enum.Enum):
     WEIGHT_VERSION = "/weight_version"
     GET_WEIGHTS_BY_NAME = "/get_weights_by_name"
     WEIGHTS_CHECKER = "/weights_checker"
+    LOAD_LORA_ADAPTER = "/load_lora_adapter"  # LoRA runs on SGLang and vLLM (raygym.weightsync.adapter)
+    UNLOAD_LORA_ADAPTER = "/unload_lora_adapter"
     RAYGYM_WEIGHTS_CHECKSUM = "/raygym/weights_checksum"
     RAYGYM_STATS = "/raygym/stats"
     RAYGYM_SHADOW_BEGIN = "/raygym/shadow_begin"  # double-buffered updates (raygym's server)
@@ -72,6 +74,7 @@ STATE_CHANGING = frozenset({
     Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED, Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP,
     Endpoint.BEGIN_WEIGHT_UPDATE, Endpoint.END_WEIGHT_UPDATE, Endpoint.UPDATE_WEIGHT_VERSION,
     Endpoint.RAYGYM_SHADOW_BEGIN, Endpoint.RAYGYM_SHADOW_SWITCH, Endpoint.RAYGYM_SHADOW_DISCARD,
+    Endpoint.LOAD_LORA_ADAPTER, Endpoint.UNLOAD_LORA_ADAPTER,
 })
 
 _GET, _POST, _PUT = frozenset({"GET"}), frozenset({"POST"}), frozenset({"PUT"})
@@ -103,6 +106,8 @@ SGLANG_ROUTE_METHODS: dict[Endpoint, frozenset[str]] = {
     Endpoint.WEIGHT_VERSION: _GET,
     Endpoint.GET_WEIGHTS_BY_NAME: _GET | _POST,
     Endpoint.WEIGHTS_CHECKER: _GET | _POST,
+    Endpoint.LOAD_LORA_ADAPTER: _POST,
+    Endpoint.UNLOAD_LORA_ADAPTER: _POST,
 }
 # raygym's own routes (under /raygym/): reads are GET, everything else POST.
 RAYGYM_ROUTE_METHODS: dict[Endpoint, frozenset[str]] = {
@@ -151,6 +156,7 @@ class GenerateRequest(_Body):
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     stream: bool = False
+    lora_path: str | list[str | None] | None = None  # the LoRA adapter to generate with, by its loaded name
 
 
 class FinishReason(_Body):
@@ -184,6 +190,18 @@ class PauseGeneration(_Body):
 
 class ContinueGeneration(_Body):
     torch_empty_cache: bool = True
+
+
+class LoadLoRAAdapter(_Body):
+    """``POST /load_lora_adapter``: load the PEFT adapter directory ``lora_path`` under ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoRAAdapter(_Body):
+    lora_name: str
 
 
 class AbortRequest(_Body):

@@ -5,7 +5,7 @@ Run it as::
     RAYGYM_ENGINE_API_KEY=... python -m raygym.rollout.server --model-path P --host 127.0.0.1 --port 30000 \\
         [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16] \\
         [--max-running-requests 64] [--custom-weight-loader pkg.mod:fn ...] [--weight-source PREFIX ...] \\
-        [--weight-version 0] [--seed 0] [--num-threads N]
+        [--weight-version 0] [--seed 0] [--num-threads N] [--lora-config JSON | --lora-adapter DIR]
 
 Routes and bodies are SGLang's (:mod:`raygym.rollout.protocol`): ``/generate``, ``/health``,
 ``/health_generate``, ``/model_info`` (and the deprecated ``/get_model_info``), ``/flush_cache``,
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -47,7 +48,9 @@ from raygym.rollout.generation import (
     SamplingParams,
 )
 from raygym.rollout.protocol import STATE_CHANGING, Endpoint
+from raygym.lora import ADAPTER_NAME
 from raygym.rollout.server_http import BadRequest, guard_middleware, handles_errors, parse, register_routes
+from raygym.rollout.server_lora import LoraRoutes
 from raygym.rollout.server_weights import WeightRoutes
 from raygym.weightsync.codec import checksum as tensor_checksum
 from raygym.weightsync.codec import dtype_from_name
@@ -169,6 +172,7 @@ class InferenceServer:
         weight_update_timeout_s: float = 600.0,
         api_key: str | None = None,
         limits: Limits | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.engine = engine
         self.limits = limits or Limits(context_length=engine.max_positions)
@@ -184,6 +188,7 @@ class InferenceServer:
             reading=lambda: engine.model_lock, sources=WeightSources([*weight_sources, local_model_dir]),
         )
         self.weights = WeightRoutes(engine, receiver, lambda: self.released)
+        self.lora = LoraRoutes(engine.model, lambda: engine.exclusive(wait_idle=not engine.paused), loaded=lora_name)
 
     @property
     def weight_version(self) -> str:
@@ -202,6 +207,7 @@ class InferenceServer:
             Endpoint.RELEASE_MEMORY: self.release_memory, Endpoint.RESUME_MEMORY: self.resume_memory,
         })
         self.weights.register(app.router)
+        self.lora.register(app.router)
         return app
 
     # ----- generation -----
@@ -211,6 +217,7 @@ class InferenceServer:
         if req.stream:
             raise BadRequest("stream=true is not supported by raygym's server; send stream=false")
         prompts, single = self._prompts(req)
+        self.lora.check_request(req.lora_path)
         params = self._per_item(req.sampling_params, len(prompts), "sampling_params", dict, {})
         rids = self._per_item(req.rid, len(prompts), "rid", str, None)
         want_logprob = self._per_item(req.return_logprob, len(prompts), "return_logprob", bool, False)
@@ -508,6 +515,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="torch intra-op threads; default 1 on CPU (spinning threads on a shared CPU cost far more than they give)",
     )
+    p.add_argument("--lora-config", default=None,
+                   help="LoRA: attach adapters of this spec (raygym.lora.LoraSpec.to_json), B = 0, synced later")
+    p.add_argument("--lora-adapter", default=None, help="LoRA: attach and load this PEFT adapter directory")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
     for flag in ("max_running_requests", "max_queued_requests", "max_n", "context_length", "max_body_bytes"):
@@ -524,6 +534,14 @@ async def serve(args: argparse.Namespace) -> None:
         torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
     model, tokenizer, local_path = load_model(args.model_path, device, args.dtype)
+    if args.lora_adapter or args.lora_config:  # adapters beside the base weights (raygym.rollout.adapter_layers)
+        from raygym.lora import LoraSpec
+        from raygym.rollout.adapter_layers import attach_adapters, load_adapter
+
+        if args.lora_adapter:
+            load_adapter(model, args.lora_adapter)
+        else:
+            attach_adapters(model, LoraSpec.from_config(json.loads(args.lora_config)))
     engine = GenerationEngine(
         model,
         eos_token_ids=sorted(eos_ids(model, tokenizer)),
@@ -546,6 +564,7 @@ async def serve(args: argparse.Namespace) -> None:
         weight_update_timeout_s=args.weight_update_timeout,
         api_key=engine_api_key(),
         limits=limits,
+        lora_name=ADAPTER_NAME if args.lora_adapter or args.lora_config else None,
     )
     engine.start()
     # handler_cancellation: a client that disconnects cancels its handler, which cancels its requests

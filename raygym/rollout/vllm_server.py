@@ -25,7 +25,9 @@ from here). Routes map onto vLLM's engine as follows:
   (an update sent outside a session gets one of its own), ``/update_weights_from_distributed``, ``_disk`` and
   ``_tensor`` -> ``update_weights`` with the chunk's description, ``/destroy_weights_update_group`` ->
   ``shutdown_weight_transfer_engine``. There is no ``/raygym/weights_checksum``: raygym verifies vLLM by its
-  probe (see :mod:`raygym.rollout.capabilities`).
+  probe (see :mod:`raygym.rollout.capabilities`);
+- LoRA (``--lora-rank R``): ``/load_lora_adapter`` / ``/unload_lora_adapter`` -> ``add_lora`` / ``remove_lora``
+  of ``LoRARequest``\s, and a request's ``lora_path`` picks one (:mod:`raygym.rollout.vllm_lora`).
 
 With an API key in ``RAYGYM_ENGINE_API_KEY`` every route but ``/health*`` requires it (the key never goes on a
 command line); routes that change state take POST with a JSON body only (:mod:`raygym.rollout.server_http`).
@@ -93,6 +95,9 @@ class VllmAdapter:
         self._session = False  # a weight-update session is open
         self._session_failure = ""  # why a chunk of the open session failed
         self._version_before = self.weight_version  # what the session started from
+        from raygym.rollout.vllm_lora import VllmLora
+
+        self.lora = VllmLora(llm)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30,
@@ -112,6 +117,7 @@ class VllmAdapter:
             Endpoint.UPDATE_WEIGHTS_FROM_DISK: self.update_weights_from_disk,
             Endpoint.UPDATE_WEIGHTS_FROM_TENSOR: self.update_weights_from_tensor,
             Endpoint.UPDATE_WEIGHT_VERSION: self.update_weight_version,
+            Endpoint.LOAD_LORA_ADAPTER: self.load_lora_adapter, Endpoint.UNLOAD_LORA_ADAPTER: self.unload_lora_adapter,
         })
         return app
 
@@ -134,16 +140,25 @@ class VllmAdapter:
         rids = vp.per_item(req.rid, count, "rid", str, None)
         want_logprob = vp.per_item(req.return_logprob, count, "return_logprob", bool, False)
         starts = vp.per_item(req.logprob_start_len, count, "logprob_start_len", int, -1)
+        names = req.lora_path if isinstance(req.lora_path, list) else [req.lora_path] * count
+        try:
+            adapters = [self.lora.request_for(name) for name in names]
+        except KeyError as exc:
+            raise BadRequest(f"lora_path={exc.args[0]!r}: no such adapter is loaded (loaded: "
+                             f"{sorted(self.lora.requests)}); load it with /load_lora_adapter") from None
+        if len(adapters) != count:
+            raise BadRequest(f"lora_path: {len(adapters)} entries for {count} prompts")
         jobs = []
-        for ids, (kwargs, n), rid, lp, start in zip(prompts, params, rids, want_logprob, starts, strict=True):
+        for ids, (kwargs, n), rid, lp, start, adapter in zip(prompts, params, rids, want_logprob, starts, adapters,
+                                                               strict=True):
             rid = rid or uuid.uuid4().hex
             for k in range(n):
-                jobs.append(self._sample(rid, f"{rid}-{k}" if n > 1 else rid, ids, kwargs, lp, start))
+                jobs.append(self._sample(rid, f"{rid}-{k}" if n > 1 else rid, ids, kwargs, lp, start, adapter))
         outputs = await asyncio.gather(*jobs)
         return web.json_response(outputs[0] if single and len(outputs) == 1 else outputs)
 
     async def _sample(self, rid: str, request_id: str, ids: list[int], kwargs: dict[str, Any], logprob: bool,
-                      start: int) -> dict[str, Any]:
+                      start: int, adapter: Any = None) -> dict[str, Any]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -155,7 +170,8 @@ class VllmAdapter:
         self._rids.setdefault(rid, set()).add(request_id)
         final = None
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(ids)), params, request_id=request_id):
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(ids)), params, request_id=request_id,
+                                               lora_request=adapter):
                 final = out
         finally:
             ids_of_rid = self._rids.get(rid)
@@ -420,6 +436,25 @@ class VllmAdapter:
         return {"success": True, "num_paused_requests": 0,
                 "message": finished["message"] if finished else "Succeeded to receive the weights (session open)."}
 
+    # ----- LoRA adapters -----
+    @handles_errors
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.LoadLoRAAdapter)
+        try:
+            await self.lora.load(req.lora_name, req.lora_path)
+        except Exception as exc:
+            return result_response({"success": False, "error_message": _why(exc), "message": _why(exc)})
+        return result_response({"success": True, "loaded_adapters": {n: r.lora_path for n, r in self.lora.requests.items()}})
+
+    @handles_errors
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        req = await parse(request, protocol.UnloadLoRAAdapter)
+        try:
+            await self.lora.unload(req.lora_name)
+        except KeyError:
+            raise BadRequest(f"lora_name={req.lora_name!r}: not loaded (loaded: {sorted(self.lora.requests)})") from None
+        return result_response({"success": True, "loaded_adapters": {n: r.lora_path for n, r in self.lora.requests.items()}})
+
     @handles_errors
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await read_json(request)
@@ -503,6 +538,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--weight-update-timeout", type=float, default=600.0)
     p.add_argument("--engine-args", default="{}", help="JSON object of further vLLM engine arguments")
+    p.add_argument("--lora-rank", type=int, default=0, help="serve LoRA adapters of this rank (0: none)")
+    p.add_argument("--lora-adapter", default=None, help="a PEFT adapter directory served from the start (needs "
+                   "--lora-rank) as raygym.lora.ADAPTER_NAME")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
 
@@ -529,19 +567,26 @@ async def serve(args: argparse.Namespace) -> None:
         dtype = cpu_dtype(args.dtype, facts["dtype"], flags)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib(
             facts["kv_bytes_per_token"], args.max_num_seqs, max_len or 4096)))
+    from raygym.rollout.vllm_lora import lora_engine_args
+
+    lora_args = lora_engine_args(args.lora_rank) if args.lora_rank > 0 else {}
     engine_args = AsyncEngineArgs(
         model=model_path, tokenizer=model_path, dtype=dtype, seed=args.seed, max_model_len=max_len,
         tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager or device == "cpu",
         enable_sleep_mode=args.enable_sleep_mode and device == "cuda", logprobs_mode="processed_logprobs",
         worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": "raygym"},
-        disable_log_stats=True, **json.loads(args.engine_args))
+        disable_log_stats=True, **lora_args, **json.loads(args.engine_args))
     llm = AsyncLLM.from_engine_args(engine_args)
     tokenizer = llm.get_tokenizer()
     adapter = VllmAdapter(
         llm, model_path=model_path, vocab_size=facts["vocab_size"], eos_token_id=getattr(tokenizer, "eos_token_id", None),
         weight_version=args.weight_version, device=device, sleep_mode=args.enable_sleep_mode,
         timeout_s=args.weight_update_timeout, api_key=engine_api_key())
+    if args.lora_adapter:
+        from raygym.lora import ADAPTER_NAME
+
+        await adapter.lora.load(ADAPTER_NAME, args.lora_adapter)
     runner = web.AppRunner(adapter.app(), access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

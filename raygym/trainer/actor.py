@@ -107,7 +107,8 @@ def make_backend(name: str, settings: TrainerSettings, role: str) -> TrainerBack
         name = "torch"  # the PPO critic exists on the torch backend only (also beside a Megatron policy)
     model_parallel = False
     if role != "critic":
-        recipe.check_trainer_backend(megatron_installed=megatron_installed())
+        if recipe.check_trainer_backend(megatron_installed=megatron_installed()) == "torch":
+            name = "torch"  # e.g. LoRA, which only the torch backend trains, under trainer_backend="auto"
         model_parallel = bool(recipe.model_parallel_requests())
     if choose_backend(name, model_parallel=model_parallel) == "megatron":
         try:

@@ -103,6 +103,10 @@ class TrainerSettings:
     # model and process group
     trainer_backend: str
     freeze_params_name_list: list[str] | None
+    lora_rank: int  # > 0: train LoRA adapters (raygym.trainer.lora) instead of every weight
+    lora_alpha: int
+    lora_dropout: float
+    lora_target_modules: str
     attention_dropout: float
     hidden_dropout: float
     torch_activation_checkpointing: bool

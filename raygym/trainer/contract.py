@@ -61,12 +61,15 @@ class CheckpointState:
     parameter's HF shape), or None when not saved/loaded.
     ``schedule``: the LR-schedule position (``{"step": optimizer steps taken}``).
     ``rng``: this rank's RNG states (``raygym.checkpoint.capture_rng_state``).
+    ``files``: files rank 0 writes into the checkpoint directory beside the weights (relative path -> bytes),
+    e.g. a LoRA run's adapter in PEFT's format under ``adapter/``; empty elsewhere.
     """
 
     model: dict[str, Any]
     optimizer: dict[str, Any] | None = None
     schedule: dict[str, int] = field(default_factory=dict)
     rng: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, bytes] = field(default_factory=dict)
 
 
 # Keys every policy train step reports (prefix "train/"); dual_clipfrac, kl_loss and tis_* are added

@@ -14,6 +14,9 @@
 - Checkpoints: each rank's own FSDP2 shards (DTensors of ``get_model_state_dict`` /
   ``get_optimizer_state_dict``), written by ``raygym.sharded_checkpoint`` with
   ``torch.distributed.checkpoint``; they load on any world size; resume is bit-identical on CPU.
+- LoRA (``lora_rank > 0``, :mod:`raygym.trainer.lora`): the policy is the frozen base plus peft adapters; only
+  the adapters are trained, synced (``iter_hf_weights``), checkpointed and exported (PEFT's adapter format), and
+  the KL reference is the same model with the adapters switched off.
 - Roles: ``TorchBackend`` trains the policy (``role="actor"``). The PPO critic
   (``raygym.trainer.critic.TorchCriticBackend``) subclasses it and overrides the ``_build_model``,
   ``_forward``, ``_micro_batch_loss`` family of hooks; sharding, micro-batching, gradient accumulation,
@@ -42,6 +45,7 @@ from raygym.algo.mismatch import MismatchTally
 from raygym.algo.rl_loss import RLLossConfig, rl_loss
 from raygym.builtin import resolve_model_path
 from raygym.errors import ConfigError
+from raygym.lora import LoraSpec
 from raygym.trainer.backend import (
     TrainerBackend,
     TrainerSettings,
@@ -122,6 +126,9 @@ class TorchBackend(TrainerBackend):
         self.single_pass = False  # train_step may use its own detached log-probs as the old ones
         self._mismatch = MismatchTally()  # engine vs own log-probs, tallied by a single-pass train_step
         self.loss_config = RLLossConfig.from_recipe(settings.recipe)
+        self.lora = LoraSpec.from_recipe(settings) if self.ROLE == "actor" else None
+        self.lora_targets: list[str] = []  # module paths that carry adapters
+        self.reference_is_base = False  # the KL reference is this model with its adapters off
         if settings.hidden_dropout > 0.0:
             raise ConfigError(
                 f"hidden_dropout={settings.hidden_dropout}: the torch backend's HF models have no hidden dropout; "
@@ -153,6 +160,10 @@ class TorchBackend(TrainerBackend):
         self.model_path = resolve_model_path(s.hf_checkpoint)
         self.model = self._build_model(self.model_path)
         check_declared_architecture(s, cast("PretrainedConfig", self.model.config).to_dict())
+        if self.lora is not None:
+            from raygym.trainer.lora import wrap_with_adapters
+
+            self.model, self.lora_targets = wrap_with_adapters(self.model, self.lora)
         _, self.frozen = split_frozen(self.model.named_parameters(), s.freeze_params_name_list)
         if s.torch_activation_checkpointing:
             self._enable_recompute()
@@ -176,7 +187,9 @@ class TorchBackend(TrainerBackend):
             decay_iters=decay_iters,
             style=s.lr_decay_style,
         )
-        if s.uses_reference and self.ROLE == "actor":
+        if s.uses_reference and self.ROLE == "actor" and self.lora is not None and not s.ref_load:
+            self.reference_is_base = True  # no second copy of the weights
+        elif s.uses_reference and self.ROLE == "actor":
             self.ref_model = self._load_model(reference_model_path(s, self.model_path), trainable=False)
             self._shard(self.ref_model)
             self._park_ref()
@@ -191,7 +204,9 @@ class TorchBackend(TrainerBackend):
             "num_params": sum(p.numel() for p in self.model.parameters()),
             "trainable_params": sum(p.numel() for _, p in trainable),
             "frozen": list(self.frozen),
-            "reference_model": self.ref_model is not None,
+            "reference_model": self.ref_model is not None or self.reference_is_base,
+            "lora": None if self.lora is None else {"rank": self.lora.rank, "alpha": self.lora.alpha,
+                                                    "targets": len(self.lora_targets)},
             "single_pass_log_probs": self.single_pass,
         }
 
@@ -321,7 +336,12 @@ class TorchBackend(TrainerBackend):
         result: dict[str, list[torch.Tensor]] = {"log_probs": log_probs}
         if entropy is not None:
             result["entropy"] = entropy
-        if self.ref_model is not None:
+        if self.reference_is_base:
+            from raygym.trainer.lora import adapters_disabled
+
+            with adapters_disabled(self.model):
+                result["ref_log_probs"] = self._log_probs_of(self.model, local, False)[0]
+        elif self.ref_model is not None:
             self._unpark_ref()
             result["ref_log_probs"] = self._log_probs_of(self.ref_model, local, False)[0]
             self._park_ref()
@@ -492,6 +512,9 @@ class TorchBackend(TrainerBackend):
         ``lm_head.weight``): engines tie the head to the embedding too (raygym's server, SGLang's and vLLM's
         Qwen models; SGLang also loads the embedding into a separate head when it has one), and the Megatron
         backend sends it once; sending it twice only doubles an embedding's bytes on the wire."""
+        if self.lora is not None:
+            yield from self._iter_adapter_weights(dtype)
+            return
         aliases = tied_aliases(self.model)
         for name, tensor in self.model.state_dict().items():
             if name in aliases:
@@ -502,6 +525,35 @@ class TorchBackend(TrainerBackend):
                 continue
             full = full.detach()
             yield name, full.to(dtype) if dtype is not None else full
+
+    def _iter_adapter_weights(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """LoRA: the adapters only, under :mod:`raygym.lora`'s names (a collective under sharding)."""
+        from raygym.trainer.lora import adapter_tensors
+
+        for name, tensor in adapter_tensors(self.model):
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            if self.rank != 0:
+                yield name, None
+                continue
+            full = full.detach()
+            yield name, full.to(dtype) if dtype is not None else full
+
+    def adapter_files(self) -> dict[str, bytes]:
+        """LoRA: the adapter as PEFT's files (``adapter_config.json``, ``adapter_model.safetensors``) on rank 0,
+        {} on the others (a collective under sharding)."""
+        import json
+
+        from safetensors.torch import save
+
+        from raygym.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, peft_name
+
+        assert self.lora is not None
+        tensors = {peft_name(n): t.contiguous().cpu() for n, t in self._iter_adapter_weights(None) if t is not None}
+        if self.rank != 0:
+            return {}
+        config = adapter_config(self.lora, self.model_path, self.lora_targets)
+        return {ADAPTER_CONFIG: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(),
+                ADAPTER_WEIGHTS: save(tensors, metadata={"format": "pt"})}
 
     def _move_optimizer_state(self, device: torch.device) -> None:
         for state in self.optimizer.state.values():
@@ -545,6 +597,19 @@ class TorchBackend(TrainerBackend):
 
         from raygym.checkpoint import capture_rng_state
 
+        if self.lora is not None:  # the adapters and their optimizer state, under raygym.lora's names
+            from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+            from raygym.lora import ADAPTER_DIR
+            from raygym.trainer.lora import exported_name, rename_keys
+
+            options = StateDictOptions(ignore_frozen_params=True)
+            model = rename_keys(get_model_state_dict(self.model, options=options), exported_name)
+            optim = (rename_keys(get_optimizer_state_dict(self.model, self.optimizer, options=options), exported_name)
+                     if include_optimizer else None)
+            files = {f"{ADAPTER_DIR}/{name}": data for name, data in self.adapter_files().items()}
+            return CheckpointState(model=model, optimizer=optim, schedule=self.schedule.state_dict(),
+                                   rng=capture_rng_state(), files=files)
         model = get_model_state_dict(self.model)
         optim = get_optimizer_state_dict(self.model, self.optimizer) if include_optimizer else None
         return CheckpointState(model=model, optimizer=optim, schedule=self.schedule.state_dict(),
@@ -556,14 +621,37 @@ class TorchBackend(TrainerBackend):
 
         from raygym.checkpoint import restore_rng_state
 
-        set_model_state_dict(self.model, state.model)
-        if load_optimizer and state.optimizer is not None:
-            set_optimizer_state_dict(self.model, self.optimizer, state.optimizer)
+        if self.lora is not None:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+            from raygym.trainer.lora import in_memory_name, rename_keys
+
+            options = StateDictOptions(ignore_frozen_params=True, strict=False)
+            set_model_state_dict(self.model, rename_keys(state.model, in_memory_name), options=options)
+            if load_optimizer and state.optimizer is not None:
+                set_optimizer_state_dict(self.model, self.optimizer, rename_keys(state.optimizer, in_memory_name),
+                                         options=options)
+        else:
+            set_model_state_dict(self.model, state.model)
+            if load_optimizer and state.optimizer is not None:
+                set_optimizer_state_dict(self.model, self.optimizer, state.optimizer)
         self.schedule.load_state_dict(state.schedule)
         restore_rng_state(state.rng)
 
     def save_hf(self, out_dir: str) -> str:
+        """Rank 0 writes ``out_dir``: an HF model directory, or with LoRA the adapter (PEFT's directory format,
+        ``peft.PeftModel.from_pretrained(base, out_dir)`` loads it) beside the tokenizer files."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if self.lora is not None:
+            files = self.adapter_files()
+            if self.rank == 0:
+                from raygym.checkpoint import write_adapter_files
+
+                write_adapter_files(files, self.model_path, out_dir)
+            if self.world_size > 1:
+                dist.barrier()
+            return out_dir
 
         state = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)

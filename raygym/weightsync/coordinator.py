@@ -225,6 +225,10 @@ class WeightSync:
     def _probe(self, version: int, metrics: dict[str, float]) -> str | None:
         """The engines' log-probs of a seeded probe against the trainer's; None when every engine agrees."""
         request = self.probe.generate_request(self.temperature)
+        if self.spec.adapter_endpoints:  # the probe scores what rollouts get: the base plus the run's adapter
+            from raygym.lora import ADAPTER_NAME
+
+            request["lora_path"] = ADAPTER_NAME
         answers, problems = [], []
         for link in self.links:
             try:
@@ -257,7 +261,9 @@ class WeightSync:
         of the copy a double-buffered update loaded, before it is served."""
         if self.verification == "probe":
             return self.verify_versions(version)
-        body: dict[str, Any] = {"names": None, "shadow": True} if shadow else {"names": None}
+        # LoRA: the adapters only (the base weights never change, hashing them every sync would cost a full pass)
+        names = sorted(expected) if self.spec.adapter_config is not None else None
+        body: dict[str, Any] = {"names": names, "shadow": True} if shadow else {"names": names}
 
         def ask(link: EngineLink) -> dict[str, Any] | str:
             try:

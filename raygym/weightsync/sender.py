@@ -118,6 +118,7 @@ class SenderSpec:
     cast_dtype: str | None = None  # engine dtype (e.g. "bfloat16"): floating tensors are cast before encoding
     keep_disk_versions: bool = False
     engine_kind: str = "raygym"  # what receives: decides the wire format (raygym.rollout.capabilities)
+    adapter_config: dict[str, Any] | None = None  # LoRA: the adapters' PEFT config (only adapters are sent)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -150,7 +151,15 @@ class SenderSpec:
     @property
     def payload_modes(self) -> tuple[str, ...]:
         """What the engines can receive over this transport (``auto`` chooses among these)."""
+        if self.adapter_endpoints:
+            return ("full",)
         return payload_modes(self.engine_kind, transport=self.transport, colocate=self.colocate)
+
+    @property
+    def adapter_endpoints(self) -> bool:
+        """LoRA to engines that load adapters by endpoint: each version goes as a PEFT directory
+        (:class:`raygym.weightsync.adapter.AdapterTransport`), whatever ``transport`` says."""
+        return self.adapter_config is not None and capabilities(self.engine_kind).lora == "lora_endpoints"
 
     @property
     def keeps_snapshot(self) -> bool:
@@ -349,6 +358,12 @@ class WeightSender:
         spec = self.spec
         address = spec.master_address or _node_ip()
         fmt = "flattened_bucket" if spec.hf_tensors else "raygym_bucket"
+        if spec.adapter_endpoints:
+            from raygym.weightsync.adapter import AdapterTransport
+
+            assert spec.adapter_config is not None
+            return AdapterTransport(self.links, directory=spec.disk_dir, config=spec.adapter_config,
+                                    engine_kind=spec.engine_kind, timeout_s=spec.timeout_s)
         if spec.transport == "disk":
             from raygym.weightsync.transport_disk import DiskTransport
 

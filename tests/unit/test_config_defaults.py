@@ -165,6 +165,11 @@ RAYGYM_DEFAULTS = {
     "rollout_env": None,
     "rollout_env_max_turns": 4,
     "rollout_env_max_context_len": None,
+    # LoRA (raygym/lora.py)
+    "lora_rank": 0,
+    "lora_alpha": 16,
+    "lora_dropout": 0.0,
+    "lora_target_modules": "all-linear",
     "judge_hf_checkpoint": None,
     "judge_num_engines": 1,
     "judge_num_gpus_per_engine": 1,
