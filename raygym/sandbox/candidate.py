@@ -49,7 +49,7 @@ class Server:
             return ("ok", result, after)
         simple = {"attr": lambda: getattr(target, args[1]), "item": lambda: target[args[1]],
                   "len": lambda: len(target), "iter": lambda: iter(target), "next": lambda: next(target),
-                  "contains": lambda: args[1] in target, "bool": lambda: bool(target),
+                  "bool": lambda: bool(target),
                   "str": lambda: str(target), "repr": lambda: repr(target)}
         if op in simple:
             return ("ok", simple[op]())

@@ -5,9 +5,10 @@ The tests run here, never in the candidate's interpreter. A name the test does n
 (``f``) is looked up in the candidate process through the channel and comes back as a plain value
 (``int``, ``str``, ``list``...: built here by :func:`raygym.sandbox.wire.loads`) or as a
 :class:`Remote` handle to a candidate object (a function, a class, an instance). So every comparison,
-``==`` included, runs on the grader's own values with the grader's own builtins; a candidate object
-cannot take part in one (a handle equals only itself), and patching ``int``, ``compile`` or the
-harness inside the candidate changes nothing here. Builtin names (``abs``, ``len``, ``sorted``) are
+``==`` and ``in`` included, runs on the grader's own values with the grader's own builtins; a
+candidate object cannot take part in one (a handle equals only itself), a value a test compares
+against reaches the candidate only if the test passes it to the candidate's code, and patching ``int``, ``compile`` or the harness inside the
+candidate changes nothing here. Builtin names (``abs``, ``len``, ``sorted``) are
 always this process's builtins, never a candidate's function of the same name.
 
 Calls copy their arguments to the candidate; a ``list``, ``dict``, ``set`` or ``bytearray`` argument
@@ -128,8 +129,9 @@ def copy_back(args: tuple[Any, ...], kwargs: dict[str, Any], after_args: Any, af
 
 class Remote:
     """A candidate object (function, class, instance, iterator) seen from the grader. Calls, attributes,
-    items, ``len``, iteration, ``in``, truth, ``str`` and ``repr`` are asked of the candidate and come
-    back as plain values or handles; comparison is not: a handle equals only a handle to the same object."""
+    items, ``len``, iteration, truth, ``str`` and ``repr`` are asked of the candidate and come back as
+    plain values or handles. Comparison never is: a handle equals only a handle to the same object, and
+    ``x in handle`` iterates the object and compares here (asking would tell the candidate ``x``)."""
 
     __slots__ = ("_channel", "_id", "_type")
 
@@ -169,7 +171,8 @@ class Remote:
         return self._ask("next", self)
 
     def __contains__(self, item: Any) -> bool:
-        return _checked(self._ask("contains", self, item), bool)
+        # Compared here, item by item: asking the candidate would tell it the value a test looks for.
+        return any(element is item or element == item for element in self)
 
     def __bool__(self) -> bool:
         return _checked(self._ask("bool", self), bool)

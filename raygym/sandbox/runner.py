@@ -99,8 +99,9 @@ class Sandbox:
         as_root = os.geteuid() == 0
         if as_root:
             self.uid, lock = _claim_uid(exclude=(PROBE_UID,))
-            self.grader_uid, grader_lock = _claim_uid(exclude=(PROBE_UID, self.uid))
-            self._locks = [lock, grader_lock]
+            self._locks.append(lock)
+            self.grader_uid, lock = _claim_uid(exclude=(PROBE_UID, self.uid))
+            self._locks.append(lock)
         else:
             self.uid = self.grader_uid = os.geteuid()
         self._user = self.uid if as_root else None
