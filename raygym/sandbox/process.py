@@ -5,6 +5,7 @@ cgroup), draining its output with a bound, killing its process group or every pr
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import threading
@@ -72,6 +73,12 @@ class Child:
         )
         self.stdout = BoundedReader(self.proc.stdout, output_cap)
         self.stderr = BoundedReader(self.proc.stderr, output_cap)
+        # A pidfd turns readable when the process exits, before it is reaped: until we reap it, its pid
+        # cannot be reused, so killing its process group never reaches a stranger's.
+        try:
+            self._pidfd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):
+            self._pidfd = -1
         if cgroup is not None:
             try:
                 cgroup.add(self.proc.pid)
@@ -84,29 +91,40 @@ class Child:
         self._stdin = stdin
 
     def feed(self) -> None:
-        """Write its stdin and close it (a process that died first just misses it)."""
+        """Write its stdin and close it, on a thread (a process that does not read cannot block us; one
+        that died first just misses it)."""
+        threading.Thread(target=self._write_stdin, daemon=True).start()
+
+    def _write_stdin(self) -> None:
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(self._stdin)
             self.proc.stdin.close()
-        except BrokenPipeError:
+        except (BrokenPipeError, ValueError, OSError):  # it died, or kill() closed the pipe
             pass
 
     def wait(self, timeout: float) -> bool:
-        """Whether it exited within ``timeout`` seconds."""
-        try:
-            self.proc.wait(timeout=max(timeout, 0.0))
-            return True
-        except subprocess.TimeoutExpired:
-            return False
+        """Whether it exited within ``timeout`` seconds (it is not reaped yet: see :meth:`kill`)."""
+        if self._pidfd < 0:
+            try:
+                self.proc.wait(timeout=max(timeout, 0.0))
+                return True
+            except subprocess.TimeoutExpired:
+                return False
+        readable, _, _ = select.select([self._pidfd], [], [], max(timeout, 0.0))
+        return bool(readable)
 
     def kill(self) -> None:
-        """SIGKILL its process group and reap it."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """SIGKILL its process group (while its pid still names the group), then reap it."""
+        if self.proc.returncode is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.proc.wait()
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
 
     def result(self, timed_out: bool, leftovers: int) -> RunResult:
         return RunResult(
