@@ -286,6 +286,19 @@ class PromptDataset:
             self._offset += take
         return out
 
+    @property
+    def position(self) -> int:
+        """How many prompts :meth:`next_batch` handed out so far, over every epoch (a prompt's place in the
+        run's endless prompt stream; :meth:`row_at` finds it again)."""
+        return self._epoch * len(self._items) + self._offset
+
+    def row_at(self, position: int) -> PromptRow:
+        """The prompt :meth:`next_batch` hands out at stream ``position`` (any epoch; the order depends only on
+        the seed and the epoch)."""
+        epoch, offset = divmod(position, len(self._items))
+        order = self._order if epoch == self._epoch else self._epoch_order(epoch)
+        return self._items[order[offset]]
+
     def state_dict(self) -> dict[str, Any]:
         """The data position, JSON-serialisable: ``{"epoch", "offset", "seed", "size", "shuffle"}``."""
         return {"epoch": self._epoch, "offset": self._offset, "seed": self.seed, "size": len(self._items),

@@ -43,11 +43,13 @@ def preflight_engine(recipe: Recipe, model_path: str | None = None) -> str:
     import subprocess
     import sys
 
-    from raygym.rollout.capabilities import check_weight_sync
+    from raygym.rollout.capabilities import check_inflight_update, check_weight_sync
 
     kind = choose_rollout_engine(recipe.rollout_engine)
     check_weight_sync(kind, mode=recipe.update_weight_mode, transport=recipe.update_weight_transport,
                       colocate=recipe.colocate, double_buffer=recipe.update_weight_double_buffer)
+    if recipe.fully_async:
+        check_inflight_update(kind, pause_mode=recipe.update_weight_pause_mode)
     if kind == "sglang":
         python = recipe.rollout_engine_python or sys.executable
         probe = subprocess.run([python, "-c", "import sglang"], capture_output=True, text=True, timeout=600,

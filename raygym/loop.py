@@ -16,6 +16,7 @@ from typing import Any
 
 from raygym.config import TrainConfig
 from raygym.metrics import MetricsLogger, PhaseTimer, apply_substep_timing, progress_line, write_traces
+from raygym.rollout.stream import staleness_metrics
 
 
 def _should(interval: int | None, step: int, last_step: int) -> bool:
@@ -103,6 +104,9 @@ class SyncSchedule:
     def after_sync(self, step: int, version: int, pending: Any) -> Any:
         return self.manager.generate.remote(step + 1, version) if step < self.last else None
 
+    def close(self) -> None:
+        """The run ends (or fails): nothing to stop."""
+
 
 class AsyncSchedule(SyncSchedule):
     """The rollout of step k+1 runs while step k trains, on the weights before step k's update (one step
@@ -120,6 +124,43 @@ class AsyncSchedule(SyncSchedule):
 
     def after_sync(self, step: int, version: int, pending: Any) -> Any:
         return pending
+
+
+class FullyAsyncSchedule(SyncSchedule):
+    """Engines generate continuously (the rollout manager's stream, at most ``max_staleness`` steps ahead);
+    each step takes the groups that completed, fresh enough for it, and the next step's take is asked for at
+    once, so it waits on generation only when the engines are behind. Weight updates land while requests
+    are in flight."""
+
+    def __init__(self, manager: Any, last: int, max_staleness: int, policy: str) -> None:
+        super().__init__(manager, last)
+        self.max_staleness, self.policy = max_staleness, policy
+
+    def first(self, start: int, version: int) -> Any:
+        import ray
+
+        if start > self.last:
+            return None
+        ray.get(self.manager.start_stream.remote(start, version, self.max_staleness, self.policy))
+        return self.manager.take.remote(start)
+
+    def after_rollout(self, step: int, version: int) -> Any:
+        return self.manager.take.remote(step + 1) if step < self.last else None
+
+    def after_sync(self, step: int, version: int, pending: Any) -> Any:
+        return pending
+
+    def close(self) -> None:
+        import ray
+
+        ray.get(self.manager.stop_stream.remote())
+
+
+def schedule_for(recipe: Any, manager: Any, last: int) -> SyncSchedule:
+    """The schedule of ``recipe``: fully asynchronous, one step off-policy, or synchronous."""
+    if recipe.fully_async:
+        return FullyAsyncSchedule(manager, last, recipe.max_staleness, recipe.stale_sample_policy)
+    return (AsyncSchedule if recipe.async_mode else SyncSchedule)(manager, last)
 
 
 class Loop:
@@ -173,7 +214,7 @@ class Loop:
         """Old log-probs (and PPO's values), advantages and the optimizer steps of one rollout."""
         import ray
 
-        from raygym.algo.mismatch import batch_mismatch
+        from raygym.algo.mismatch import batch_mismatch, mismatch_by_age
         from raygym.trainer.actor import PackedBatch
         from raygym.trainer.batch import TrainBatch
 
@@ -185,7 +226,10 @@ class Loop:
         with timer.phase("log_probs"):
             # Old log-probs are redundant with one optimizer step per rollout (the trainer then uses its own
             # detached ones); PPO's critic values the old states for GAE. Both passes run at the same time.
-            old_pass = [] if self.graph.single_pass_log_probs else policy_ranks
+            # A fully asynchronous run computes them anyway: the proximal policy its corrections and its
+            # mismatch-by-staleness metrics compare the rollout with.
+            single = self.graph.single_pass_log_probs and not recipe.fully_async
+            old_pass = [] if single else policy_ranks
             if old_pass or critic_ranks:
                 ref = ray.put(PackedBatch.pack(batch))  # one object for every rank, a few flat tensors
                 log_probs = [h.compute_log_probs.remote(ref, step) for h in old_pass]
@@ -195,6 +239,10 @@ class Loop:
                 if values:
                     batch = batch.with_log_probs(ray.get(values)[0])
         mismatch = batch_mismatch(batch)  # engine vs trainer log-probs (single-pass trainers report their own)
+        if recipe.fully_async:
+            ages = [[self.version - v for v in (s.token_versions or [s.weight_version] * s.response_length)]
+                    for s in samples]
+            mismatch.update(mismatch_by_age(batch, ages, recipe.max_staleness))
         batch = batch.with_advantages(recipe.advantage_estimator, kl_coef=recipe.kl_coef, gamma=recipe.gamma,
                                       lambd=recipe.lambd)
         if recipe.distill_teacher_checkpoint:  # on-policy distillation (raygym/distill.py)
@@ -248,28 +296,31 @@ class Loop:
         recipe = self.recipe
         last = recipe.num_rollout - 1
         manager = self.graph.manager
-        schedule = (AsyncSchedule if recipe.async_mode else SyncSchedule)(manager, last)
-        pending = schedule.first(start, self.version)
+        schedule = schedule_for(recipe, manager, last)
         final = start - 1
-        for step in range(start, last + 1):
-            timer, t0 = PhaseTimer(), time.perf_counter()
-            with timer.phase("rollout"):
-                samples = ray.get(pending)
-            rollout_metrics, data_state = ray.get([manager.metrics.remote(), manager.data_state.remote()])
-            pending = schedule.after_rollout(step, self.version)
-            row = self._rollout_row(rollout_metrics, samples)
-            row.update(self.train_on(samples, step, timer))
-            schedule.before_sync(pending, timer)
-            if _should(recipe.save_interval, step, last):
-                with timer.phase("save"):
-                    self.save(step, data_state)
-            row.update(self.sync(step + 1, step, timer))
-            if _eval_due(recipe.eval_interval, step):
-                row.update(self.evaluate(step, timer))
-            pending = schedule.after_sync(step, self.version, pending)
-            row.update(self._step_timing(timer, t0, samples))
-            self._log(step, samples, row)
-            final = step
+        try:
+            pending = schedule.first(start, self.version)
+            for step in range(start, last + 1):
+                timer, t0 = PhaseTimer(), time.perf_counter()
+                with timer.phase("rollout"):
+                    samples = ray.get(pending)
+                rollout_metrics, data_state = ray.get([manager.metrics.remote(), manager.data_state.remote()])
+                pending = schedule.after_rollout(step, self.version)
+                row = self._rollout_row(rollout_metrics, samples)
+                row.update(self.train_on(samples, step, timer))
+                schedule.before_sync(pending, timer)
+                if _should(recipe.save_interval, step, last):
+                    with timer.phase("save"):
+                        self.save(step, data_state)
+                row.update(self.sync(step + 1, step, timer))
+                if _eval_due(recipe.eval_interval, step):
+                    row.update(self.evaluate(step, timer))
+                pending = schedule.after_sync(step, self.version, pending)
+                row.update(self._step_timing(timer, t0, samples))
+                self._log(step, samples, row)
+                final = step
+        finally:
+            schedule.close()
         return final
 
     def _rollout_row(self, rollout_metrics: dict[str, Any], samples: list[Any]) -> dict[str, Any]:
@@ -277,8 +328,9 @@ class Loop:
         # The manager's own generation time; perf/rollout_time is what the driver waited.
         row["rollout/generate_time"] = row.pop("perf/rollout_time", 0.0)
         row["rollout/weight_version_min"] = min(s.weight_version for s in samples)
-        row["rollout/weight_version_max"] = max(s.weight_version for s in samples)
-        row["rollout/staleness_max"] = self.version - row["rollout/weight_version_min"]
+        row["rollout/weight_version_max"] = max(s.max_version for s in samples)
+        row.update(staleness_metrics(samples, self.version, self.recipe.max_staleness if self.recipe.fully_async
+                                     else 1))
         return row
 
     def _log(self, step: int, samples: list[Any], row: dict[str, Any]) -> None:
@@ -289,6 +341,8 @@ class Loop:
             _call_log_hook(recipe.custom_rollout_log_function, "custom_rollout_log_function", step, samples, row)
         assert self.metrics is not None
         logged = self.metrics.log(step, apply_substep_timing(row, recipe.substep_timing))
+        groups = [s for s in samples if s.sample_index == 0]
+        self.metrics.log_prompts(step, [s.data_index for s in groups], [s.prompt_key for s in groups])
         self.rows.append(logged)
         if self.progress is not None:
             self.progress.step(logged)

@@ -72,6 +72,40 @@ class PhaseTimer:
         return {f"perf/{name}_time": round(s, 6) for name, s in self.seconds.items()}
 
 
+class StepFile:
+    """A jsonl file with one line per step, appended and flushed line by line (a killed run keeps every
+    completed step). With ``resume_from_step`` the lines of earlier steps are kept (``kept``) and the others
+    dropped; without it the file starts empty."""
+
+    def __init__(self, path: Path, resume_from_step: int | None) -> None:
+        self.path = path
+        self.kept: list[dict[str, Any]] = []
+        if resume_from_step is not None and path.exists():
+            self.kept = [r for r in self._read() if r.get("step", -1) < resume_from_step]
+            path.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
+        elif path.exists():
+            path.unlink()
+        self._file = path.open("a", buffering=1)
+
+    def _read(self) -> list[dict[str, Any]]:
+        rows = []
+        for line in self.path.read_text().splitlines():
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a line cut by a kill
+                    continue
+        return rows
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
 class MetricsLogger:
     """Writes ``metrics.jsonl`` in ``output_dir`` and forwards to W&B / TensorBoard when configured.
 
@@ -92,15 +126,12 @@ class MetricsLogger:
     ) -> None:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / "metrics.jsonl"
-        self.history: list[dict[str, Any]] = []
-        if resume_from_step is not None and self.path.exists():
-            kept = [r for r in self._read() if r.get("step", -1) < resume_from_step]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            self.history = kept
-        elif self.path.exists():
-            self.path.unlink()
-        self._file = self.path.open("a", buffering=1)
+        self.steps = StepFile(self.dir / "metrics.jsonl", resume_from_step)
+        self.path = self.steps.path
+        self.history: list[dict[str, Any]] = list(self.steps.kept)
+        # prompts.jsonl: which prompts each step trained on ({"step", "data_index": [...], "prompt_key": [...]}),
+        # one line per step, under the same resume rule: a resumed run's file says what an uninterrupted one's does.
+        self.prompts = StepFile(self.dir / "prompts.jsonl", resume_from_step)
         self._wandb = None
         self._tb = None
         mc = metrics_config
@@ -110,16 +141,6 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` extra
 
             self._tb = SummaryWriter(log_dir=str(mc.tensorboard_dir))
-
-    def _read(self) -> list[dict[str, Any]]:
-        rows = []
-        for line in self.path.read_text().splitlines():
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:  # a line cut by a kill
-                    continue
-        return rows
 
     @staticmethod
     def _start_wandb(mc: MetricsConfig, run_id: str, config_dict: Mapping[str, Any] | None):
@@ -144,8 +165,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        self.steps.write(row)
         self.history.append(row)
         numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._wandb is not None:
@@ -156,9 +176,13 @@ class MetricsLogger:
                     self._tb.add_scalar(k, v, step)
         return row
 
+    def log_prompts(self, step: int, data_index: list[int], prompt_key: list[int]) -> None:
+        """The prompts step ``step`` trained on (one entry per group)."""
+        self.prompts.write({"step": step, "data_index": data_index, "prompt_key": prompt_key})
+
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        self.steps.close()
+        self.prompts.close()
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None

@@ -36,7 +36,9 @@ class Sample:
     reward_error: str | None = None  # the exception text when the reward function raised
     reward_components: dict[str, float | None] = field(default_factory=dict)  # per reward function (None: no reward)
     columns: dict[str, Any] = field(default_factory=dict)  # the prompt row's other data columns, by name
-    weight_version: int = 0  # policy version the engine served when it generated this
+    weight_version: int = 0  # the oldest policy version any of its tokens came from (see token_versions)
+    token_versions: list[int] = field(default_factory=list)  # per response token (empty: all weight_version)
+    prompt_key: int = -1  # fully asynchronous runs: the run-wide number of its group (names its seeds)
     finish_reason: str = ""  # "stop" | "length" | "abort"
     status: str = "pending"  # "pending" | "completed" | "truncated" | "aborted" | "failed"
     engine: str = ""  # which engine generated it (for traces and fault reports)
@@ -50,3 +52,13 @@ class Sample:
 
     def effective_loss_mask(self) -> list[int]:
         return self.loss_mask if self.loss_mask is not None else [1] * len(self.response_tokens)
+
+    @property
+    def max_version(self) -> int:
+        """The newest policy version among its tokens (> ``weight_version`` when a weight update landed while
+        it was generated and it continued on the new weights).
+
+        >>> Sample(prompt="", prompt_tokens=[1], group_index=0, weight_version=3, token_versions=[3, 3, 4]).max_version
+        4
+        """
+        return max(self.token_versions, default=self.weight_version)

@@ -77,3 +77,22 @@ def batch_mismatch(batch: TrainBatch) -> dict[str, float]:
     tally = MismatchTally()
     tally.add_rows(batch.rollout_log_probs, batch.old_log_probs, batch.loss_masks)
     return tally.metrics()
+
+
+def mismatch_by_age(batch: TrainBatch, token_ages: Sequence[Sequence[int]], max_age: int) -> dict[str, float]:
+    """The mismatch split by how many policy versions old each token is when trained (``token_ages``: per
+    sample, per response token; fully asynchronous runs): ``rollout/logprob_mismatch_mean/staleness_<k>`` and
+    ``_max/staleness_<k>`` for every age ``k`` seen (ages above ``max_age`` fold into ``max_age``)."""
+    if batch.rollout_log_probs is None or batch.old_log_probs is None:
+        return {}
+    tallies: dict[int, MismatchTally] = {}
+    for engine, trainer, mask, ages in zip(batch.rollout_log_probs, batch.old_log_probs, batch.loss_masks,
+                                           token_ages, strict=True):
+        age = torch.tensor([min(a, max_age) for a in ages], dtype=torch.int64)
+        for k in sorted(set(age.tolist())):
+            tallies.setdefault(k, MismatchTally()).add(engine[None], trainer[None], (mask * (age == k))[None])
+    out: dict[str, float] = {}
+    for k, tally in sorted(tallies.items()):
+        for name, value in tally.metrics().items():
+            out[f"{name}/staleness_{k}"] = value
+    return out

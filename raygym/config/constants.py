@@ -22,6 +22,7 @@ RECIPE_CHOICES: dict[str, tuple[Any, ...]] = {
     "update_weight_transport": ("nccl", "disk", "ipc"),
     "update_weight_encoding": ("indices", "deltas", "deltas_zstd"),
     "update_weight_pause_mode": ("abort", "in_place"),
+    "stale_sample_policy": ("regenerate", "drop"),
 }
 
 # The built-in rewards (``rm_type``); raygym.rewards.BUILTIN_REWARDS holds them under these names.
@@ -45,7 +46,7 @@ RECIPE_POSITIVE = (
 )  # fmt: skip
 RECIPE_NON_NEGATIVE = (
     "start_rollout_id", "rollout_health_check_first_wait", "lr_warmup_iters", "update_weight_full_interval", "seed",
-    "judge_cache_size",
+    "judge_cache_size", "max_staleness",
 )  # fmt: skip
 
 # Fields the reference pages define that raygym does not run: a value other than the default (or an empty

@@ -74,6 +74,22 @@ class Recipe(Section):
     async_mode: bool = option(
         False, "Overlap rollout generation and training, one step off-policy (needs colocate=False)."
     )
+    fully_async: bool = option(
+        False,
+        "Fully asynchronous training: engines generate continuously, the trainer takes each step's groups as they "
+        "complete, weight updates land while requests are in flight (which continue on the new weights); needs "
+        "colocate=False. See max_staleness.",
+    )
+    max_staleness: int = option(
+        2,
+        "fully_async: how many policy versions older than the trainer a sample's oldest token may be when it is "
+        "trained (AReaL's max_head_offpolicyness); generation runs at most this many steps ahead.",
+    )
+    stale_sample_policy: str = option(
+        "regenerate",
+        "fully_async: a group that still comes back older than max_staleness is 'regenerate'd (its prompt is "
+        "generated again) or 'drop'ped (counted, never trained).",
+    )
     environment: dict[str, str] = option_factory(
         lambda: {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "1"},
         "Environment variables for every Ray worker of the run (NCCL settings and the like; no secrets).",

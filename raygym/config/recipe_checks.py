@@ -28,7 +28,7 @@ from raygym.config.constants import (
     UNSUPPORTED_RECIPE_FIELDS,
 )
 from raygym.errors import ConfigError
-from raygym.rollout.capabilities import check_weight_sync
+from raygym.rollout.capabilities import check_inflight_update, check_weight_sync
 from raygym.rollout.capabilities import check_lora as check_lora_engine
 
 if TYPE_CHECKING:
@@ -165,6 +165,7 @@ def check_modes(r: Recipe) -> None:
             "async_mode=True cannot run with colocate=True: rollout and training overlap and need their "
             "own GPUs; pass --no-colocate (and --rollout-num-gpus) or --no-async-mode"
         )
+    check_fully_async(r)
     if r.update_weight_mode == "delta" and r.colocate:
         raise ConfigError(
             "update_weight_mode='delta' with colocate=True: colocated engines receive weights by handle, a "
@@ -399,3 +400,23 @@ def validate_model_parallelism(r: Recipe, model: ModelConfig) -> None:
             f"num_layers={model.num_layers} is not divisible by pipeline_model_parallel_size={pp}; "
             "pick a pipeline size that divides the layer count"
         )
+
+
+def check_fully_async(r: Recipe) -> None:
+    """``fully_async``: its own GPUs for the engines, one asynchronous mode, a whole-step rollout function
+    refused (the stream generates group by group), and an engine kind that takes weight updates while requests
+    are in flight (:func:`raygym.rollout.capabilities.check_inflight_update`)."""
+    if not r.fully_async:
+        return
+    if r.async_mode:
+        raise ConfigError("fully_async=True and async_mode=True: pick one asynchronous mode; --fully-async "
+                          "(generation runs up to max_staleness steps ahead) or --async-mode (one step off-policy)")
+    if r.colocate:
+        raise ConfigError("fully_async=True cannot run with colocate=True: engines generate while the trainer trains "
+                          "and need their own GPUs; pass --no-colocate (and --rollout-num-gpus) or --no-fully-async")
+    if r.rollout_function is not None:
+        raise ConfigError("fully_async=True with rollout_function: a rollout function replaces a whole step, the "
+                          "asynchronous stream generates group by group; use custom_generate_function (per sample) "
+                          "or --no-fully-async")
+    if r.rollout_engine != "auto":
+        check_inflight_update(r.rollout_engine, pause_mode=r.update_weight_pause_mode)

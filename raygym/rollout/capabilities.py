@@ -83,6 +83,14 @@ class EngineCapabilities:
         lora: how the kind serves LoRA adapters (module docstring): ``"weights"`` or ``"lora_endpoints"``.
         lora_on_cpu: whether it serves them without CUDA.
         lora_replace: ``/load_lora_adapter`` of a loaded name replaces it in one step (else unload first).
+        inflight_update: how a weight update meets requests in flight in a fully asynchronous run
+            (``fully_async``): ``"swap"`` = they stay in the engine, which swaps the weights between two
+            decode steps, recomputes their KV cache on the new ones and reports each token's version
+            (``output_token_weight_versions``); ``"resubmit"`` = the engine aborts them at the pause and
+            returns their tokens so far, and the rollout manager continues each one on the new weights once
+            the update is done (the engine reports one version per answer, so each part is one answer:
+            stock SGLang's in_place/retract pauses and vLLM's keep pause would continue them without saying
+            which tokens came from which weights).
     """
 
     kind: str
@@ -97,6 +105,7 @@ class EngineCapabilities:
     lora: str = "lora_endpoints"
     lora_on_cpu: bool = True
     lora_replace: bool = False
+    inflight_update: str = "resubmit"
 
 
 # Custom loaders (SGLang's convention: ``fn(model, named_tensors)``, imported by dotted path).
@@ -108,7 +117,7 @@ _CAPABILITIES = {
         kind="raygym", verification="checksum",
         full_transports=frozenset(TRANSPORTS), delta_transports=frozenset({"nccl", "disk"}),
         dist_format="raygym_bucket", delta_loader=DIRECT_LOADER, memory_release="always",
-        accepts_api_key_env=True, double_buffer=True, lora="weights",
+        accepts_api_key_env=True, double_buffer=True, lora="weights", inflight_update="swap",
     ),
     "sglang": EngineCapabilities(
         kind="sglang", verification="probe",
@@ -208,6 +217,26 @@ def check_weight_sync(kind: str, *, mode: str, transport: str, colocate: bool, d
         f"update_weight_mode={mode!r} over update_weight_transport={transport!r} is not supported by "
         f"rollout_engine={kind!r}; supported transports: {sorted(allowed)}"
     )
+
+
+def check_inflight_update(kind: str, *, pause_mode: str) -> None:
+    """Raise ConfigError when a fully asynchronous run on engine kind ``kind`` cannot take weight updates with
+    requests in flight as configured: a ``resubmit`` kind must abort them at the pause (``pause_mode`` 'abort')
+    so each part of a response carries its own version.
+
+    >>> check_inflight_update("raygym", pause_mode="in_place")
+    >>> check_inflight_update("sglang", pause_mode="in_place")
+    Traceback (most recent call last):
+    ...
+    raygym.errors.ConfigError: fully_async=True with rollout_engine='sglang' and update_weight_pause_mode='in_place': sglang reports one weight version per answer, so a request kept in place across an update would mix versions nobody can tell apart; use --update-weight-pause-mode abort (requests in flight are continued on the new weights by raygym) or --rollout-engine raygym
+    """
+    caps = capabilities(kind)
+    if caps.inflight_update == "resubmit" and pause_mode != "abort":
+        raise ConfigError(
+            f"fully_async=True with rollout_engine={kind!r} and update_weight_pause_mode={pause_mode!r}: {kind} "
+            "reports one weight version per answer, so a request kept in place across an update would mix versions "
+            "nobody can tell apart; use --update-weight-pause-mode abort (requests in flight are continued on the "
+            "new weights by raygym) or --rollout-engine raygym")
 
 
 def check_lora(kind: str, *, mode: str, double_buffer: bool, cuda: bool | None = None) -> None:

@@ -82,6 +82,7 @@ class GenerationRequest:
     on_done: Callable[[GenerationRequest], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[str] = field(default_factory=list)  # the weight version that produced each token
     finish_reason: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)
     finished_at: float | None = None
@@ -107,6 +108,7 @@ class EngineStats:
     generated_tokens: int = 0
     max_batch_size: int = 0
     joined: int = 0  # requests that joined a running batch (continuous batching)
+    recomputed: int = 0  # running requests whose KV cache was recomputed after the weights changed under them
     parks: int = 0  # times the worker stopped to wait (no work, a pause, a hold): it decodes nothing then
     recent_batch_sizes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))
     parked: bool = False  # the worker is waiting right now
@@ -118,6 +120,7 @@ class EngineStats:
             "generated_tokens": self.generated_tokens,
             "max_batch_size": self.max_batch_size,
             "joined": self.joined,
+            "recomputed": self.recomputed,
             "parks": self.parks,
             "parked": self.parked,
             "recent_batch_sizes": list(self.recent_batch_sizes),
@@ -169,6 +172,10 @@ class GenerationEngine:
         self._stopping = False
         self._trim_due = False  # host memory to hand back once idle (after an abort of everything)
         self._thread: threading.Thread | None = None
+        # The version label of the weights (the server's receiver owns it and changes it only while it holds
+        # the model); read under the model lock at every forward pass.
+        self.weight_label: Callable[[], str] = lambda: "0"
+        self._forward_label = "0"  # the label of the last forward pass of the worker
 
     # ----- lifecycle -----
     def start(self) -> None:
@@ -363,20 +370,29 @@ class GenerationEngine:
             return batch
 
     def _run_batch(self, rows: list[GenerationRequest]) -> None:
+        """Prefill ``rows``, then decode them (and requests that join) to the end. Every token is stamped with
+        the weight version of the forward pass that produced its logits; when the weights change under a
+        running batch (an in-flight update), the batch goes back to the queue and is re-prefilled on the new
+        weights, so each token's log-prob is exactly its version's (the KV cache is recomputed, as SGLang's
+        retract does)."""
         rows = [r for r in rows if not self._finished_before_prefill(r)]
         if not rows:
             return
         self.stats.batches += 1
         self.stats.recent_batch_sizes.append(len(rows))
         rows, logits, mask, positions, cache = self._prefill_isolating(rows)
+        label = self._forward_label
         while rows:
-            rows, logits, mask, positions = self._join_waiting(rows, logits, mask, positions, cache)
+            joined = self._join_waiting(rows, logits, mask, positions, cache, label)
+            if joined is None:
+                return
+            rows, logits, mask, positions = joined
             self.stats.max_batch_size = max(self.stats.max_batch_size, len(rows))
             with self.model_lock, torch.inference_mode():
                 tokens, logprobs = sample_next_tokens(
                     logits, [r.params for r in rows], [r._generator for r in rows]
                 )
-            keep = self._advance(rows, tokens.tolist(), logprobs.tolist())
+            keep = self._advance(rows, tokens.tolist(), logprobs.tolist(), label)
             keep = self._apply_control(rows, keep)
             if not keep:
                 return
@@ -389,10 +405,24 @@ class GenerationEngine:
             positions = positions[:, -1:] + 1
             try:
                 with self.model_lock, torch.inference_mode():
-                    logits = self._forward(tokens[:, None], mask, positions, cache)
+                    current = self.weight_label()
+                    if current == label:
+                        logits = self._forward(tokens[:, None], mask, positions, cache)
             except Exception as exc:  # a failed decode step: every row goes back to be re-prefilled
                 self._retract_after_failure(rows, exc)
                 return
+            if current != label:
+                self._recompute(rows)
+                return
+
+    def _recompute(self, rows: list[GenerationRequest]) -> None:
+        """The weights changed under ``rows``: back to the head of the queue, to be re-prefilled (prompt and
+        tokens so far) on the new weights."""
+        self.stats.recomputed += len(rows)
+        with self._cond:
+            self._queue.extendleft(reversed(rows))
+            self._running = []
+            self._cond.notify_all()
 
     def _prefill_isolating(self, rows: list[GenerationRequest]) -> tuple[list[GenerationRequest], Any, Any, Any, Any]:
         """Prefill ``rows`` into a new KV cache; when the batch fails, find the rows that fail alone, answer
@@ -402,6 +432,7 @@ class GenerationEngine:
         try:
             input_ids, mask, positions = self._prefill_inputs(rows)
             with self.model_lock, torch.inference_mode():
+                self._forward_label = self.weight_label()
                 return rows, self._forward(input_ids, mask, positions, cache), mask, positions, cache
         except Exception as exc:
             if len(rows) == 1:
@@ -451,11 +482,13 @@ class GenerationEngine:
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         return input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
-    def _join_waiting(self, rows, logits, mask, positions, cache):
+    def _join_waiting(self, rows, logits, mask, positions, cache, label):
         """Continuous batching: prefill queued requests and merge them into the running batch.
 
         The two KV caches are left-padded to the same length (padding masked out) and stacked
-        along the batch; per-row position ids make the padding invisible to the model.
+        along the batch; per-row position ids make the padding invisible to the model. Returns None
+        when the weights changed between the batch's last forward pass and the newcomers' prefill:
+        both went back to the queue to be re-prefilled together.
         """
         room = self.max_running_requests - len(rows)
         if room <= 0 or not _mergeable(cache):
@@ -473,6 +506,9 @@ class GenerationEngine:
             self._running = [r for r in self._running if not r.done]
         if not new:
             return rows, logits, mask, positions
+        if self._forward_label != label:
+            self._recompute(rows + new)
+            return None
         with self.model_lock, torch.inference_mode():
             width = max(mask.shape[1], mask2.shape[1])
             for old, add in zip(cache.layers, new_cache.layers, strict=True):
@@ -503,12 +539,15 @@ class GenerationEngine:
             return True
         return False
 
-    def _advance(self, rows: list[GenerationRequest], tokens: list[int], logprobs: list[float]) -> list[int]:
-        """Append one token per row; finish rows that hit a stop; return indices still running."""
+    def _advance(self, rows: list[GenerationRequest], tokens: list[int], logprobs: list[float], label: str
+                 ) -> list[int]:
+        """Append one token per row (made by weights ``label``); finish rows that hit a stop; return indices
+        still running."""
         keep = []
         for i, (r, tok, lp) in enumerate(zip(rows, tokens, logprobs, strict=True)):
             r.output_ids.append(tok)
             r.output_logprobs.append(lp)
+            r.output_versions.append(label)
             self.stats.generated_tokens += 1
             reason = self._stop_reason(r, tok)
             if reason is None:

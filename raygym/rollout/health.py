@@ -217,13 +217,14 @@ class EnginePool:
                     pass
 
     async def request(
-        self, payload: dict[str, Any], trace: dict[str, Any] | None = None
+        self, payload: dict[str, Any], trace: dict[str, Any] | None = None, *, keep_aborted: bool = False
     ) -> tuple[int, dict[str, Any]]:
         """POST ``payload`` to ``/generate`` on a routed engine; returns ``(engine index, response)``.
 
         With fault tolerance a failed engine's request is retried elsewhere; without it the failure
         raises :class:`RaygymError` naming the engine. A response that finished with ``abort`` (an
-        engine paused or aborted it) is re-sent too."""
+        engine paused or aborted it) is re-sent too, unless ``keep_aborted``: then it is returned with its
+        tokens so far (partial rollouts continue it)."""
         exclude: set[int] = set()
         if self.request_fields:
             payload = {**payload, **self.request_fields}
@@ -256,7 +257,7 @@ class EnginePool:
             self._last_success[i] = time.monotonic()
             responses = response if isinstance(response, list) else [response]
             aborted = any(_finish_type(r) == "abort" for r in responses)
-            if not aborted:
+            if not aborted or keep_aborted:
                 return i, response
             if not self.fault_tolerance:
                 raise RaygymError(f"rollout {self.engine_name(i)} aborted a request; set use_fault_tolerance=True "

@@ -38,9 +38,7 @@ Custom post-processing (``custom_reward_post_process_function``) runs on the fin
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,18 +58,28 @@ from raygym.errors import RaygymError
 from raygym.rewards import (
     RewardModel,
     load_callable,
-    pass_at_k,
     reward_component_metrics,
     reward_model_from_config,
 )
-from raygym.rollout.lora_args import adapter_request_fields
 from raygym.rollout import tasks
 from raygym.rollout.filters import GroupFilter, load_group_filter
 from raygym.rollout.health import ClientFactory, EnginePool
+from raygym.rollout.lora_args import adapter_request_fields
+from raygym.rollout.responses import (
+    MAX_CONTINUATIONS,
+    continuation_budget,
+    continuation_params,
+    derive_sampling_seed,
+    finish_type,
+    token_versions,
+    weight_version_of,
+)
+from raygym.rollout.rollout_metrics import eval_dataset_metrics, rollout_batch_metrics
 from raygym.types import Sample
 
 if TYPE_CHECKING:
     from raygym.config.run import TrainConfig
+    from raygym.rollout.stream import AsyncStream
 
 
 @recipe_view()
@@ -110,38 +118,8 @@ class RolloutSettings:
         return build_view(cls, cfg.recipe)
 
 
-def derive_sampling_seed(seed: int, *key: Any) -> int:
-    """A per-request ``sampling_seed`` from the run seed and the request's place in the run.
-
-    ``key`` is e.g. ``("rollout", rollout_id, group, sample)``: the same request gets the same seed
-    whatever the batch composition, routing or timing, so a resumed run samples what an
-    uninterrupted one did.
-
-    >>> derive_sampling_seed(1234, "rollout", 3, 0, 1) == derive_sampling_seed(1234, "rollout", 3, 0, 1)
-    True
-    >>> derive_sampling_seed(1234, "rollout", 3, 0, 1) != derive_sampling_seed(1234, "rollout", 3, 0, 2)
-    True
-    """
-    digest = hashlib.blake2b(repr((int(seed), *key)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
 async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
-
-
-def _finish_type(meta: dict[str, Any]) -> str:
-    reason = meta.get("finish_reason")
-    if isinstance(reason, dict):
-        return str(reason.get("type") or "")
-    return str(reason or "")
-
-
-def _weight_version(meta: dict[str, Any], default: int) -> int:
-    try:
-        return int(meta["weight_version"])
-    except (KeyError, TypeError, ValueError):
-        return default
 
 
 class RolloutManager:
@@ -202,6 +180,11 @@ class RolloutManager:
         self.max_sampling_rounds = max_sampling_rounds
         self.pass_threshold = pass_threshold  # a sample "passes" for pass@k when reward >= this
         self.weight_version = 0
+        self.continue_aborted = False  # partial rollouts: fully asynchronous runs continue what a sync aborted
+        self.stream: AsyncStream | None = None  # fully_async: the producer (raygym/rollout/stream.py)
+        self._resumed_pending: list[int] = []  # keys a checkpoint kept, generated first by the stream
+        self._failures_mark = self._retries_mark = 0  # engine failures and retries counted up to the last take
+        self.continued = 0  # continuation requests sent
         self._started = False
         self._metrics: dict[str, float] = {}
         self._seen: list[Sample] = []  # every sample generated this step (kept or not)
@@ -243,17 +226,71 @@ class RolloutManager:
         :meth:`mark_engine_synced` for the restarted engines it pushed to)."""
         self.weight_version = weight_version
         self.pool.set_weight_version(weight_version)
+        if self.stream is not None:
+            self.stream.wake()
 
     def engine_states(self) -> list[str]:
         """``healthy`` | ``dead`` | ``needs_weights`` per engine (push weights to the non-dead ones)."""
         return [self.pool.router.state(i) for i in range(self.pool.router.num_engines)]
 
     def data_state(self) -> dict[str, Any]:
-        """The training data position, for checkpoints."""
-        return {"train": self.dataset.state_dict()}
+        """The training data position, for checkpoints; in a fully asynchronous run also the prompts started
+        and not yet trained (``async_pending``: their keys), which a resumed run generates first."""
+        state: dict[str, Any] = {"train": self.dataset.state_dict()}
+        if self.stream is not None:
+            state["async_pending"] = self.stream.pending_keys()
+        return state
 
     def load_data_state(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state["train"])
+        self._resumed_pending = [int(k) for k in state.get("async_pending", [])]
+
+    # --- fully asynchronous generation (raygym/rollout/stream.py) ------------------------------------
+
+    async def start_stream(self, first_step: int, weight_version: int, max_staleness: int, policy: str) -> None:
+        """Start generating continuously for steps ``first_step`` on (``fully_async``) with the engines serving
+        ``weight_version``: at most ``max_staleness`` steps ahead of the trainer; the prompts a resumed
+        checkpoint kept come first."""
+        from raygym.rollout.stream import AsyncStream
+
+        await self._ensure_started()
+        self.set_weight_version(weight_version)
+        if self.stream is not None:
+            raise RaygymError("start_stream: the stream is already running")
+        self.continue_aborted = True
+        if self.settings.use_fault_tolerance:
+            self.pool.monitor.activate()
+        self.stream = AsyncStream(self, batch_size=self.settings.rollout_batch_size, max_staleness=max_staleness,
+                                  policy=policy, first_step=first_step, pending=self._resumed_pending)
+        self._resumed_pending = []
+        self.stream.start()
+
+    async def take(self, step: int) -> list[Sample]:
+        """The groups step ``step`` trains on (fully asynchronous runs): ``rollout_batch_size`` groups whose
+        every token comes from a policy version ``>= step - max_staleness``, in the order they completed.
+        :meth:`metrics` then describes them."""
+        if self.stream is None:
+            raise RaygymError("take() before start_stream()")
+        samples, stream_metrics = await self.stream.take(step)
+        self.rewards.post_process(samples)
+        if self.teacher is not None:
+            await self.teacher.score(samples)
+        failures, retries = len(self.pool.failures), self.pool.retries
+        stats = {"kept": self.settings.rollout_batch_size, "dropped": int(stream_metrics["async/filtered_groups"]),
+                 "surplus": 0, "aborted": 0, "rounds": 0}
+        self._metrics = self._step_metrics(samples, stream_metrics["async/interval_s"], stats,
+                                           failures - self._failures_mark, retries - self._retries_mark)
+        self._metrics.update(stream_metrics)
+        self._seen, self._failures_mark, self._retries_mark = [], failures, retries  # generated since: the next step's
+        return samples
+
+    async def stop_stream(self) -> None:
+        """Stop generating (what is in flight is cancelled and aborted on the engines)."""
+        if self.stream is not None:
+            await self.stream.stop()
+            self.stream = None
+            self.continue_aborted = False
+            self.pool.monitor.deactivate()
 
     def metrics(self) -> dict[str, float]:
         """Metrics of the last :meth:`generate` (``rollout/*``)."""
@@ -283,23 +320,54 @@ class RolloutManager:
         payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params), "return_logprob": True}
         return await self.pool.request(payload, trace)
 
-    def _fill(self, sample: Sample, response: dict[str, Any], engine: int) -> None:
+    def _fill(self, sample: Sample, response: dict[str, Any], engine: int, *, extend: bool = False) -> None:
+        """Read one ``/generate`` answer into ``sample`` (``extend``: append it, a continuation of the response
+        so far)."""
         meta = response.get("meta_info") or {}
         logprobs = meta.get("output_token_logprobs")
         if logprobs:  # [[logprob, token_id, text-or-null], ...]
-            sample.response_tokens = [int(entry[1]) for entry in logprobs]
-            sample.rollout_log_probs = [float(entry[0]) for entry in logprobs]
+            tokens = [int(entry[1]) for entry in logprobs]
+            rollout_log_probs = [float(entry[0]) for entry in logprobs]
         else:
-            sample.response_tokens = [int(t) for t in response.get("output_ids") or []]
-            sample.rollout_log_probs = []
-        text = response.get("text")
-        sample.response_text = text if isinstance(text, str) else self.tokenizer.decode(  # type: ignore[assignment]
-            sample.response_tokens, skip_special_tokens=True)  # one sequence decodes to a str
+            tokens = [int(t) for t in response.get("output_ids") or []]
+            rollout_log_probs = []
+        versions = token_versions(meta, len(tokens), self.weight_version)
+        answer = response.get("text")
+        text: str = answer if isinstance(answer, str) else str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        if extend:
+            sample.response_tokens += tokens
+            sample.rollout_log_probs += rollout_log_probs
+            sample.token_versions += versions
+            sample.response_text += text
+        else:
+            sample.response_tokens, sample.rollout_log_probs = tokens, rollout_log_probs
+            sample.token_versions, sample.response_text = versions, text
         sample.loss_mask = [1] * len(sample.response_tokens)
-        sample.finish_reason = _finish_type(meta)
+        sample.finish_reason = finish_type(meta)
         sample.status = "truncated" if sample.finish_reason == "length" else "completed"
-        sample.weight_version = _weight_version(meta, self.weight_version)
+        sample.weight_version = min(sample.token_versions, default=weight_version_of(meta, self.weight_version))
         sample.engine = self.pool.engine_name(engine)
+
+    async def _continue_aborted(self, samples: list[Sample], params: list[dict[str, Any]]) -> None:
+        """Partial rollouts (``fully_async``): a response the engine aborted for a weight update (stock SGLang
+        and vLLM pause by aborting) is continued on the new weights, from its prompt and tokens so far, until it
+        ends by itself; each part keeps its own tokens' versions and log-probs."""
+        for segment in range(1, MAX_CONTINUATIONS + 1):
+            todo = [(s, p) for s, p in zip(samples, params, strict=True) if s.finish_reason == "abort"
+                    and continuation_budget(s, p) > 0]
+            if not todo:
+                return
+            self.continued += len(todo)
+            payload = {"input_ids": [list(s.prompt_tokens) + list(s.response_tokens) for s, _ in todo],
+                       "sampling_params": [continuation_params(s, p, segment) for s, p in todo],
+                       "return_logprob": True}
+            engine, answer = await self.pool.request(payload, None, keep_aborted=True)
+            responses: list[dict[str, Any]] = answer if isinstance(answer, list) else [answer]
+            for (sample, _), response in zip(todo, responses, strict=True):
+                self._fill(sample, response, engine, extend=True)
+        for s in samples:
+            if s.finish_reason == "abort":
+                s.status = "aborted"
 
     async def _generate_together(self, samples: list[Sample], params: list[dict[str, Any]]) -> None:
         """One batched ``/generate`` request (SGLang's list form: one prompt and one sampling_params,
@@ -310,12 +378,14 @@ class RolloutManager:
         trace = {"queued": time.time()} if traced else None
         payload = {"input_ids": [list(s.prompt_tokens) for s in samples], "sampling_params": params,
                    "return_logprob": True}
-        engine, responses = await self.pool.request(payload, trace)
+        engine, responses = await self.pool.request(payload, trace, keep_aborted=self.continue_aborted)
         if not isinstance(responses, list) or len(responses) != len(samples):
             raise RaygymError(f"{self.pool.engine_name(engine)} answered a batch of {len(samples)} prompts with "
                               f"{len(responses) if isinstance(responses, list) else 1} outputs")
         for sample, response in zip(samples, responses, strict=True):
             self._fill(sample, response, engine)
+        if self.continue_aborted:
+            await self._continue_aborted(samples, params)
         if trace is not None:
             trace["done"] = time.time()
             for sample in samples[:traced]:
@@ -351,11 +421,11 @@ class RolloutManager:
             await self.rewards.score([sample])
 
     async def generate_group(self, row: PromptRow, params: dict[str, Any], n: int | None = None,
-                             *, group_key: int | None = None) -> list[Sample]:
+                             *, group_key: int | None = None, scope: tuple[Any, ...] | None = None) -> list[Sample]:
         """Generate and score ``n`` (default ``n_samples_per_prompt``) samples for one prompt.
 
-        Sample ``j`` is sent with ``sampling_seed`` derived from (the recipe's ``seed``, step
-        or eval scope, ``group_key``, j); ``group_key`` defaults to the order of the calls in the step."""
+        Sample ``j`` is sent with ``sampling_seed`` derived from (the recipe's ``seed``, ``scope`` (default: the
+        step's or eval's), ``group_key``, j); ``group_key`` defaults to the order of the calls in the step."""
         n = n or self.settings.n_samples_per_prompt
         if group_key is None:
             group_key = self._group_counter
@@ -363,10 +433,10 @@ class RolloutManager:
         samples = self._new_group(row, n)
         batched = self.rewards.per_group
         if self._custom_generate is None:
-            await self._generate_together(samples, [self._seeded(params, group_key, s.sample_index) for s in samples])
+            await self._generate_together(samples, [self._seeded(params, group_key, s.sample_index, scope) for s in samples])
             await self.rewards.score(samples)
         else:
-            await asyncio.gather(*(self._generate_sample(s, self._seeded(params, group_key, s.sample_index),
+            await asyncio.gather(*(self._generate_sample(s, self._seeded(params, group_key, s.sample_index, scope),
                                                          score_now=not batched) for s in samples))
             if batched:
                 await self.rewards.score(samples)
@@ -404,10 +474,11 @@ class RolloutManager:
             self._seen.extend(g)
         return groups
 
-    def _seeded(self, params: dict[str, Any], group_key: int, sample_index: int) -> dict[str, Any]:
+    def _seeded(self, params: dict[str, Any], group_key: int, sample_index: int,
+                scope: tuple[Any, ...] | None = None) -> dict[str, Any]:
         if "sampling_seed" in params:
             return params
-        seed = derive_sampling_seed(self.settings.seed, *self._seed_scope, group_key, sample_index)
+        seed = derive_sampling_seed(self.settings.seed, *(scope or self._seed_scope), group_key, sample_index)
         return {**params, "sampling_seed": seed}
 
     # --- one training step ---------------------------------------------------------------------
@@ -500,26 +571,7 @@ class RolloutManager:
 
     def _step_metrics(self, samples: Sequence[Sample], elapsed: float, stats: dict[str, int],
                       failures: int, retries: int) -> dict[str, float]:
-        rewards = [float(s.reward or 0.0) for s in samples]
-        lengths = [s.response_length for s in samples]
-        mean = sum(rewards) / len(rewards) if rewards else 0.0
-        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)) if rewards else 0.0
-        generated = sum(s.response_length for s in self._seen) if self._seen else sum(lengths)
-        metrics: dict[str, float] = {
-            "rollout/reward_mean": mean,
-            "rollout/reward_std": std,
-            "rollout/response_len_mean": sum(lengths) / len(lengths) if lengths else 0.0,
-            "rollout/response_len_max": float(max(lengths, default=0)),
-            "rollout/truncated_frac": (sum(s.finish_reason == "length" for s in samples) / len(samples)
-                                       if samples else 0.0),
-            "rollout/reward_errors": float(sum(s.reward_error is not None for s in (self._seen or samples))),
-            "rollout/generated_tokens": float(generated),
-            "rollout/tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
-            "rollout/samples": float(len(samples)),
-            "rollout/engine_failures": float(failures),
-            "rollout/request_retries": float(retries),
-            "perf/rollout_time": elapsed,
-        }
+        metrics = rollout_batch_metrics(samples, self._seen, elapsed, failures=failures, retries=retries)
         metrics.update(reward_component_metrics(samples, self.rewards.names, "rollout/"))
         if self.group_filter is not None:
             metrics.update({
@@ -556,16 +608,10 @@ class RolloutManager:
                                                 for i in range(len(dataset))))
                 samples = [s for g in groups for s in g]
                 self._eval_samples[name] = samples
-                correct = [sum(float(s.reward or 0.0) >= self.pass_threshold for s in g) for g in groups]
-                prefix = f"eval/{name}/"
-                out[prefix + "reward_mean"] = sum(float(s.reward or 0.0) for s in samples) / len(samples)
-                out[prefix + f"pass@{n}"] = sum(pass_at_k(n, c, n) for c in correct) / len(groups)
-                out[prefix + "pass@1"] = sum(pass_at_k(n, c, 1) for c in correct) / len(groups)
-                out[prefix + "response_len_mean"] = sum(s.response_length for s in samples) / len(samples)
-                out[prefix + "truncated_frac"] = sum(s.finish_reason == "length" for s in samples) / len(samples)
-                out[prefix + "reward_errors"] = float(sum(s.reward_error is not None for s in samples))
+                out.update(eval_dataset_metrics(f"eval/{name}/", groups, n, self.pass_threshold))
                 if len(self.rewards.names) > 1:
-                    out.update(reward_component_metrics(samples, self.rewards.names, prefix))
+                    out.update(reward_component_metrics(samples, self.rewards.names, f"eval/{name}/"))
         finally:
-            self.pool.monitor.deactivate()
+            if self.stream is None:  # a fully asynchronous run's stream keeps the health monitor on
+                self.pool.monitor.deactivate()
         return out

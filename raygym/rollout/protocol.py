@@ -175,6 +175,7 @@ class GenerateMetaInfo(_Body):
     completion_tokens: int
     weight_version: str | None = None
     output_token_logprobs: list[list[Any]] | None = None  # [logprob, token_id, text | None]
+    output_token_weight_versions: list[str] | None = None  # raygym: the weight version of each output token
     input_token_logprobs: list[list[Any]] | None = None  # first entry's logprob is None
 
 

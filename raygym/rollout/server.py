@@ -189,6 +189,7 @@ class InferenceServer:
         )
         self.weights = WeightRoutes(engine, receiver, lambda: self.released)
         self.lora = LoraRoutes(engine.model, lambda: engine.exclusive(wait_idle=not engine.paused), loaded=lora_name)
+        engine.weight_label = lambda: receiver.weight_version  # stamps every generated token with its version
 
     @property
     def weight_version(self) -> str:
@@ -318,6 +319,9 @@ class InferenceServer:
             "completion_tokens": len(req.output_ids),
             "cached_tokens": 0,
             "weight_version": self.weight_version,
+            # raygym's extension: the weight version of each output token (a weight update landing mid-request
+            # splits it; the request continued on the new weights).
+            "output_token_weight_versions": list(req.output_versions),
             "e2e_latency": latency,
         }
         if logprob:

@@ -23,7 +23,9 @@ sync cost: ``sync/mode``, ``sync/predicted_s`` (for the chosen mode), ``sync/pre
 ``update_weight_double_buffer`` (engines that can, :mod:`raygym.rollout.capabilities`): steps 1-2 are
 skipped; the engines load ``version`` into a shadow copy while they keep generating
 (``/raygym/shadow_begin``), the shadow's checksums are verified, and ``/raygym/shadow_switch`` swaps it in
-between two forward passes (aborting what is in flight first when the pause mode is ``abort``).
+between two forward passes (aborting what is in flight first when the pause mode is ``abort``). A fully
+asynchronous run (``fully_async``) on an engine whose in-flight update is a ``swap`` always goes this way and
+aborts nothing: requests in flight continue on the new weights (their KV cache recomputed by the engine).
 ``sync/pause_s`` is how long generation was held: the whole pause without double buffering, the
 longest switch with it.
 
@@ -97,7 +99,11 @@ class WeightSync:
         self.temperature = recipe.rollout_temperature
         self.full_interval = recipe.update_weight_full_interval
         self.pause_mode = recipe.update_weight_pause_mode
-        self.double_buffer = recipe.update_weight_double_buffer and capabilities(engine_kind).double_buffer
+        caps = capabilities(engine_kind)
+        # A fully asynchronous run on an engine that swaps weights under running requests receives into the
+        # shadow copy and switches without aborting anything: requests continue on the new weights.
+        self.inflight_swap = recipe.fully_async and caps.inflight_update == "swap" and caps.double_buffer
+        self.double_buffer = (recipe.update_weight_double_buffer and caps.double_buffer) or self.inflight_swap
         self.cost_model = (cost_model or SyncCostModel(self.spec.payload_modes)) if self.spec.mode == "auto" else None
         self._raw_bytes = 0.0
         self.timeout_s = self.spec.timeout_s
@@ -184,7 +190,8 @@ class WeightSync:
             result, error = self._push_and_verify(version, force_full, refresh, shadow=True)
             if error is None:
                 switched = [checked(link, "raygym/shadow_switch",
-                                    {"weight_version": str(version), "abort_all_requests": self.pause_mode == "abort"},
+                                    {"weight_version": str(version),
+                                     "abort_all_requests": self.pause_mode == "abort" and not self.inflight_swap},
                                     self.timeout_s) for link in self.links]
                 _invoke_all(self.trainers[:1], "commit_weights", version, timeout=self.timeout_s)
                 result["metrics"]["sync/pause_s"] = max(float(a.get("switch_s", 0.0)) for a in switched)

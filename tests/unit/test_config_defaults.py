@@ -161,15 +161,19 @@ RAYGYM_DEFAULTS = {
     "rollout_engine_python": "",
     "update_weight_probe_tolerance": 0.1,
     "update_weight_double_buffer": False,
-    # environments, LLM judge, on-policy distillation
-    "rollout_env": None,
-    "rollout_env_max_turns": 4,
-    "rollout_env_max_context_len": None,
+    # fully asynchronous training
+    "fully_async": False,
+    "max_staleness": 2,
+    "stale_sample_policy": "regenerate",
     # LoRA (raygym/lora.py)
     "lora_rank": 0,
     "lora_alpha": 16,
     "lora_dropout": 0.0,
     "lora_target_modules": "all-linear",
+    # environments, LLM judge, on-policy distillation
+    "rollout_env": None,
+    "rollout_env_max_turns": 4,
+    "rollout_env_max_context_len": None,
     "judge_hf_checkpoint": None,
     "judge_num_engines": 1,
     "judge_num_gpus_per_engine": 1,

@@ -1,0 +1,70 @@
+"""Engine answers read into samples, pure: per-token weight versions, finish reasons, the per-request
+sampling seeds, and the continuation of a response an engine aborted for a weight update (partial rollouts)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from raygym.types import Sample
+
+MAX_CONTINUATIONS = 8  # continuations of one aborted response before it is given up (status "aborted")
+
+
+def derive_sampling_seed(seed: int, *key: Any) -> int:
+    """A per-request ``sampling_seed`` from the run seed and the request's place in the run.
+
+    ``key`` is e.g. ``("rollout", rollout_id, group, sample)``: the same request gets the same seed
+    whatever the batch composition, routing or timing, so a resumed run samples what an
+    uninterrupted one did.
+
+    >>> derive_sampling_seed(1234, "rollout", 3, 0, 1) == derive_sampling_seed(1234, "rollout", 3, 0, 1)
+    True
+    >>> derive_sampling_seed(1234, "rollout", 3, 0, 1) != derive_sampling_seed(1234, "rollout", 3, 0, 2)
+    True
+    """
+    digest = hashlib.blake2b(repr((int(seed), *key)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def finish_type(meta: dict[str, Any]) -> str:
+    reason = meta.get("finish_reason")
+    if isinstance(reason, dict):
+        return str(reason.get("type") or "")
+    return str(reason or "")
+
+
+def token_versions(meta: dict[str, Any], count: int, default: int) -> list[int]:
+    """The policy version of each of ``count`` output tokens: raygym's server reports one per token
+    (``output_token_weight_versions``); other engines one per answer (``weight_version``).
+
+    >>> token_versions({"weight_version": "3"}, 2, 0), token_versions({"output_token_weight_versions": ["3", "4"]}, 2, 0)
+    ([3, 3], [3, 4])
+    """
+    per_token = meta.get("output_token_weight_versions")
+    if isinstance(per_token, list) and len(per_token) == count:
+        try:
+            return [int(v) for v in per_token]
+        except (TypeError, ValueError):
+            pass
+    return [weight_version_of(meta, default)] * count
+
+
+def continuation_budget(sample: Sample, params: dict[str, Any]) -> int:
+    """New tokens the continuation of an aborted ``sample`` may still generate."""
+    return int(params.get("max_new_tokens", 0)) - sample.response_length
+
+
+def continuation_params(sample: Sample, params: dict[str, Any], segment: int) -> dict[str, Any]:
+    """``params`` for the ``segment``-th continuation of ``sample``: the tokens left, a seed of its own."""
+    out = {**params, "max_new_tokens": continuation_budget(sample, params)}
+    if "sampling_seed" in params:
+        out["sampling_seed"] = derive_sampling_seed(int(params["sampling_seed"]), "continuation", segment)
+    return out
+
+
+def weight_version_of(meta: dict[str, Any], default: int) -> int:
+    try:
+        return int(meta["weight_version"])
+    except (KeyError, TypeError, ValueError):
+        return default
