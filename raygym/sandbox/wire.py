@@ -2,9 +2,10 @@
 format and length-prefixed frames on pipes.
 
 Only plain values travel: ``None``, ``bool``, ``int``, ``float``, ``complex``, ``str``, ``bytes``,
-``bytearray``, ``list``, ``tuple``, ``dict``, ``set``, ``frozenset`` (exact types, not subclasses)
-and *handles*: a number standing for a candidate object that stays in the candidate process. The
-decoder builds only these (a handle becomes whatever ``make_handle`` returns), never runs code, and
+``bytearray``, ``list``, ``tuple``, ``dict``, ``set``, ``frozenset``, ``range``, and *handles*: a
+number standing for a candidate object that stays in the candidate process. A subclass of a plain
+type (``Counter``, a namedtuple, an ``int`` with its own ``__eq__``) crosses as a value of its base
+type, read through the base type's own methods: its overrides stay behind. The decoder builds only these (a handle becomes whatever ``make_handle`` returns), never runs code, and
 rejects malformed or oversized input with :class:`WireError`, so it is safe on bytes a hostile
 program wrote.
 
@@ -62,39 +63,61 @@ def dumps(value: Any, handle_of: Callable[[Any], tuple[int, str]] | None = None)
     return bytes(out)
 
 
+# The plain families, most specific first; a subclass of one crosses as a value of its base type.
+_PLAIN_BASES = (bool, int, float, complex, str, bytes, bytearray, list, tuple, dict, set, frozenset, range)
+
+
+_BASE_ITER: dict[type, Callable[[Any], Any]] = {list: list.__iter__, tuple: tuple.__iter__, set: set.__iter__,
+                                                frozenset: frozenset.__iter__}
+
+
+def _plain_base(kind: type) -> type | None:
+    for base in _PLAIN_BASES:
+        if base in kind.__mro__:
+            return base
+    return None
+
+
 def _dump(value: Any, out: bytearray, handle_of: Callable[[Any], tuple[int, str]] | None, depth: int) -> None:
-    kind = type(value)
+    # Read through the base type's own methods, so a subclass's overrides (its __eq__, items(), __len__...)
+    # never decide what crosses: the receiver gets the data, as a plain base-type value.
+    base = None if value is None else _plain_base(type(value))
     if value is None:
         out += b"N"
-    elif kind is bool:
+    elif base is bool:
         out += b"T" if value else b"F"
-    elif kind is int:
-        raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    elif base is int:
+        raw = int.to_bytes(value, (int.bit_length(value) + 8) // 8, "little", signed=True)
         out += b"i" + _LEN.pack(len(raw)) + raw
-    elif kind is float:
+    elif base is float:
         out += b"f" + _F64.pack(value)
-    elif kind is complex:
-        out += b"c" + _C128.pack(value.real, value.imag)
-    elif kind is str:
-        raw = value.encode("utf-8", "surrogatepass")
+    elif base is complex:
+        out += b"c" + _C128.pack(complex.__complex__(value).real, complex.__complex__(value).imag)
+    elif base is str:
+        raw = str.encode(value, "utf-8", "surrogatepass")
         out += b"s" + _LEN.pack(len(raw)) + raw
-    elif kind is bytes or kind is bytearray:
-        out += (b"b" if kind is bytes else b"y") + _LEN.pack(len(value)) + value
-    elif kind in _CONTAINER_TAGS and depth < MAX_DEPTH:
-        out += _CONTAINER_TAGS[kind] + _LEN.pack(len(value))
-        if kind is dict:
-            for key, item in value.items():
-                _dump(key, out, handle_of, depth + 1)
-                _dump(item, out, handle_of, depth + 1)
-        else:
-            for item in value:
+    elif base is bytes or base is bytearray:
+        raw = bytes(memoryview(value))
+        out += (b"b" if base is bytes else b"y") + _LEN.pack(len(raw)) + raw
+    elif base is range:
+        out += b"r"
+        for bound in (value.start, value.stop, value.step):
+            _dump(bound, out, handle_of, depth + 1)
+    elif base is not None and depth < MAX_DEPTH:
+        items = list(dict.items(value)) if base is dict else list(_BASE_ITER[base](value))
+        out += _CONTAINER_TAGS[base] + _LEN.pack(len(items))
+        for item in items:
+            if base is dict:
+                _dump(item[0], out, handle_of, depth + 1)
+                _dump(item[1], out, handle_of, depth + 1)
+            else:
                 _dump(item, out, handle_of, depth + 1)
     elif handle_of is not None:
         ident, type_name = handle_of(value)
         raw = type_name.encode("utf-8", "replace")[:200]
         out += b"H" + _LEN.pack(ident) + _LEN.pack(len(raw)) + raw
     else:
-        raise TypeError(f"a {kind.__name__} cannot cross to the other process (only plain values can)")
+        raise TypeError(f"a {type(value).__name__} cannot cross to the other process (only plain values can)")
 
 
 def loads(data: bytes, make_handle: Callable[[int, str], Any] | None = None) -> Any:
@@ -159,6 +182,11 @@ class _Reader:
                 key = self.value(depth + 1)
                 out[key] = self.value(depth + 1)
             return out
+        if tag == b"r":
+            bounds = [self.value(depth + 1) for _ in range(3)]
+            if any(type(b) is not int for b in bounds):
+                raise WireError("a range of non-integers")
+            return range(*bounds)
         if tag == b"H":
             ident = self.length()
             return self.make_handle(ident, self.take(self.length()).decode("utf-8", "replace"))

@@ -99,11 +99,20 @@ LIAR = (
     "    def __len__(self):\n        return 3\n    def __iter__(self):\n        return iter([9, 9, 9])\n"
     "    def __index__(self):\n        return 2\n    def __bool__(self):\n        return False\n"
     "def f(x):\n    return Liar()\ndef g(x):\n    return [Liar(), Liar()]\n"
+    "class LyingDict(dict):\n    def __eq__(self, other):\n        return True\n    def items(self):\n"
+    "        return [('a', 1)]\n    def keys(self):\n        return ['a']\n    def __iter__(self):\n        return iter(['a'])\n"
+    "    def __getitem__(self, key):\n        return 1\n    def __len__(self):\n        return 1\n"
+    "class LyingList(list):\n    def __eq__(self, other):\n        return True\n    def __iter__(self):\n"
+    "        return iter([1, 2])\n    def __len__(self):\n        return 2\n"
+    "class LyingInt(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\n"
+    "def h(x):\n    return LyingDict(b=2)\ndef k(x):\n    return LyingList([9])\ndef m(x):\n    return LyingInt(0)\n"
 )
 COMPARISONS = ["assert f(1) == 2", "assert not (f(1) != 2)", "assert 2 == f(1)", "assert 3 in f(1)",
                "assert f(1) >= 2 and f(1) <= 2", "assert g(1) == [1, 2]", "assert [1, 2] == g(1)",
                "assert list(f(1)) == [1, 2, 3]", "assert {'k': f(1)} == {'k': 2}", "assert (f(1), 1) == (2, 1)",
-               "assert f(1) in [2]", "assert [0, 0, 7][f(1)] == 7"]
+               "assert f(1) in [2]", "assert [0, 0, 7][f(1)] == 7", "assert h(1) == {'a': 1}",
+               "assert h(1)['a'] == 1", "assert k(1) == [1, 2]", "assert len(k(1)) == 2", "assert m(1) == 2",
+               "assert m(1) in {2}"]
 
 
 def test_candidate_objects_cannot_answer_comparisons(box):
@@ -191,6 +200,14 @@ HONEST = {
         "LIMIT = 10\ndef fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n"
         "class P:\n    def __str__(self):\n        return 'P!'\n",
         ["assert LIMIT == 10", "assert fib(15) == 610", "assert str(P()) == 'P!'"]),
+    "subclasses of plain types": (
+        "from collections import Counter, OrderedDict, defaultdict, namedtuple\nPoint = namedtuple('Point', 'x y')\n"
+        "def counts(s):\n    return Counter(s)\ndef groups(words):\n    d = defaultdict(list)\n    for w in words:\n"
+        "        d[w[0]].append(w)\n    return d\ndef origin():\n    return Point(0, 0)\ndef evens(n):\n"
+        "    return range(0, n, 2)\ndef ordered():\n    return OrderedDict(b=1, a=2)\n",
+        ["assert counts('aab') == {'a': 2, 'b': 1}", "assert groups(['ab', 'ac', 'b']) == {'a': ['ab', 'ac'], 'b': ['b']}",
+         "assert origin() == (0, 0)", "assert evens(5) == range(0, 5, 2) and list(evens(5)) == [0, 2, 4]",
+         "assert list(ordered()) == ['b', 'a']"]),
     "a main block and prints": (
         "print('hello')\ndef f(x):\n    return x + 1\nif __name__ == '__main__':\n    raise SystemExit(3)\n", TESTS),
 }

@@ -12,8 +12,9 @@ from raygym.sandbox import wire
 
 PLAIN = [None, True, False, 0, -1, 2**200, -(2**70) + 3, 1.5, float("inf"), -0.0, 3 + 4j, "", "héllo ✓ \U0001F600",
          "\udc80", b"", b"\x00\xff", bytearray(b"ab"), [], [1, [2, [3]]], (), (1, "a", None), {"a": 1, 2: [3], (4, 5): {}},
-         set(), {1, "x", (2, 3)}, frozenset({1, 2}), {frozenset({1}): (b"k",)}]
-PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, bytearray, list, tuple, dict, set, frozenset, wire.Handle)
+         set(), {1, "x", (2, 3)}, frozenset({1, 2}), {frozenset({1}): (b"k",)}, range(-3, 10**30, 7)]
+PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes, bytearray, list, tuple, dict, set, frozenset, range,
+               wire.Handle)
 
 
 @pytest.mark.parametrize("value", PLAIN, ids=repr)
@@ -22,20 +23,35 @@ def test_plain_values_round_trip_with_their_exact_type(value):
     assert back == value and type(back) is type(value)
 
 
-def test_objects_cross_only_as_handles():
+def test_subclasses_cross_as_their_base_values_and_objects_as_handles():
+    from collections import Counter, OrderedDict, namedtuple
+
     class Lies(int):
         def __eq__(self, other):
             return True
 
-    with pytest.raises(TypeError):
-        wire.dumps(Lies(0))  # a subclass of a plain type is not plain
+        __hash__ = int.__hash__
+
+    class Hides(dict):
+        def items(self):
+            return [("forged", 1)]
+
+        def __len__(self):
+            return 0
+
+    point = namedtuple("point", "x y")
+    sent = [Lies(5), Hides(a=1), Counter("aab"), OrderedDict(b=2), point(1, 2), range(1, 9, 2)]
+    back = wire.loads(wire.dumps(sent))
+    assert back == [5, {"a": 1}, {"a": 2, "b": 1}, {"b": 2}, (1, 2), range(1, 9, 2)]
+    assert [type(v) for v in back] == [int, dict, dict, dict, tuple, range]  # the overrides stayed behind
+    assert back[0] != 0
     with pytest.raises(TypeError):
         wire.dumps([1, object()])
     seen = []
-    data = wire.dumps([1, Lies(0), len], handle_of=lambda obj: (seen.append(obj) or len(seen) - 1, type(obj).__name__))
-    one, lie, fn = wire.loads(data)
-    assert one == 1 and (lie.id, lie.type_name) == (0, "Lies") and (fn.id, fn.type_name) == (1, "builtin_function_or_method")
-    assert lie != 0 and type(lie) is wire.Handle  # the decoder never rebuilds the object
+    data = wire.dumps([1, object, len], handle_of=lambda obj: (seen.append(obj) or len(seen) - 1, type(obj).__name__))
+    one, cls, fn = wire.loads(data)
+    assert one == 1 and (cls.id, cls.type_name) == (0, "type") and (fn.id, fn.type_name) == (1, "builtin_function_or_method")
+    assert type(fn) is wire.Handle and fn != len  # the decoder never rebuilds an object
 
 
 def test_nesting_past_the_depth_limit_is_a_handle_when_encoded_and_an_error_when_decoded():
@@ -64,7 +80,7 @@ def test_hostile_bytes_give_wire_errors_or_plain_values():
     valid = [wire.dumps(v) for v in PLAIN]
     samples = [bytes(rng.randrange(256) for _ in range(rng.randrange(40))) for _ in range(3000)]
     samples += [data[:cut] for data in valid for cut in range(len(data))]  # every truncation
-    samples += [bytes(rng.choice(b"NTFifcsbylSztdH\x00\x01\xff") for _ in range(rng.randrange(30))) for _ in range(3000)]
+    samples += [bytes(rng.choice(b"NTFifcsbylSztdrH\x00\x01\xff") for _ in range(rng.randrange(30))) for _ in range(3000)]
     samples += [b"d\x02\x00\x00\x00lNNNN", b"S\x01\x00\x00\x00l\x00\x00\x00\x00", b"s\x02\x00\x00\x00\xff\xfe",
                 b"l\xff\xff\xff\xff", b"i\xff\xff\xff\x7f\x01", b"NN"]  # unhashable key, bad utf-8, huge counts, trailing bytes
     errors = 0
