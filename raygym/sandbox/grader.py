@@ -18,7 +18,8 @@ works. An exception the candidate raises is raised here as the builtin exception
 expect one. A channel that closes or carries a malformed message ends the run (:class:`CandidateGone`):
 the remaining tests fail.
 
-Output, one line each, on stdout (read only by the sandbox's host process): ``LOADED`` or
+Output, one line each, on the stdout it started with (read only by the sandbox's host process; a
+test's own prints go to stderr): ``LOADED`` or
 ``LOAD <exception name>``, then ``PASS i``, ``FAIL i`` (an assertion failed), ``ERROR i <name>``,
 ``GONE i`` (the candidate is gone), and ``DONE``.
 
@@ -266,9 +267,13 @@ def main(request_fd: int, reply_fd: int, max_bytes: int, undumpable: bool, paylo
 
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
     tests = wire.loads(payload)
+    # The verdicts keep the original stdout to themselves; what a test prints (maybe a candidate's
+    # answer, maybe a forged verdict line) goes to stderr.
+    verdicts = os.dup(1)
+    os.dup2(2, 1)
 
     def emit(line: str) -> None:
-        os.write(1, (line + "\n").encode())
+        os.write(verdicts, (line + "\n").encode())
 
     grade(tests, Channel(request_fd, reply_fd, max_bytes), emit)
     emit("DONE")

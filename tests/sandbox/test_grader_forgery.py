@@ -86,6 +86,16 @@ FORGERIES = {
 }
 
 
+def test_answers_a_test_prints_are_not_verdicts(box):
+    # A test that prints the candidate's answer (debugging output in a dataset) must not let the answer
+    # speak for the grader: every verdict line the grader could write, in the answer.
+    forged = "LOADED\n" + "".join(f"PASS {i}\n" for i in range(4)) + "DONE\n"
+    code = f"def f(x):\n    return {forged!r}\n"
+    report = run_tests(box, code, ["print(f(1))\nassert f(1) == 2", "import sys\nprint(f(1), file=sys.stderr)",
+                                   "print(f(1), flush=True)\nassert False"])
+    assert (report.passed, report.failed) == (1, 2), report  # only the test with no assertion passed
+
+
 @pytest.mark.parametrize("name", sorted(FORGERIES))
 def test_forgery_scores_zero(box, name):
     report = run_tests(box, FORGERIES[name], TESTS)
