@@ -41,11 +41,8 @@ import asyncio
 import inspect
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from raygym.config.base import CustomFunction
-from raygym.config.views import build_view, recipe_view
 from raygym.data import (
     PromptDataset,
     PromptRow,
@@ -62,6 +59,7 @@ from raygym.rewards import (
     reward_model_from_config,
 )
 from raygym.rollout import tasks
+from raygym.rollout.dynamic_sampling import collect_groups
 from raygym.rollout.filters import GroupFilter, load_group_filter
 from raygym.rollout.health import ClientFactory, EnginePool
 from raygym.rollout.lora_args import adapter_request_fields
@@ -75,47 +73,12 @@ from raygym.rollout.responses import (
     weight_version_of,
 )
 from raygym.rollout.rollout_metrics import eval_dataset_metrics, rollout_batch_metrics
+from raygym.rollout.settings import RolloutSettings
 from raygym.types import Sample
 
 if TYPE_CHECKING:
     from raygym.config.run import TrainConfig
     from raygym.rollout.stream import AsyncStream
-
-
-@recipe_view()
-@dataclass(frozen=True)
-class RolloutSettings:
-    """The recipe fields the rollout manager reads (see :mod:`raygym.config.views`)."""
-
-    rollout_batch_size: int
-    n_samples_per_prompt: int
-    rollout_temperature: float
-    rollout_top_p: float
-    rollout_stop_token_ids: list[int] | None
-    rollout_max_response_len: int
-    sglang_request_params: dict[str, Any] | None
-    over_sampling_batch_size: int | None  # prompts per dynamic-sampling round (None = only the missing groups)
-    dynamic_sampling_filter_path: str | None
-    n_samples_per_eval_prompt: int
-    eval_max_response_len: int
-    eval_top_p: float
-    use_fault_tolerance: bool
-    rollout_health_check_interval: int
-    rollout_health_check_timeout: int
-    rollout_health_check_first_wait: int
-    capture_trace: bool
-    trace_sample_limit: int
-    custom_generate_function: CustomFunction
-    rollout_function: CustomFunction
-    rollout_env: CustomFunction  # raygym/envs: one episode per sample
-    rollout_env_max_turns: int
-    rollout_env_max_context_len: int | None
-    seed: int
-
-    @classmethod
-    def from_config(cls, cfg: TrainConfig) -> RolloutSettings:
-        """The rollout view of ``cfg.recipe``."""
-        return build_view(cls, cfg.recipe)
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -443,6 +406,16 @@ class RolloutManager:
         self._seen.extend(samples)
         return samples
 
+    def reserve_group_keys(self, count: int) -> int:
+        """Name the next ``count`` groups of the step (their sampling seeds); returns the first key."""
+        first, self._group_counter = self._group_counter, self._group_counter + count
+        return first
+
+    @property
+    def generates_per_sample(self) -> bool:
+        """Samples are generated one request each (``custom_generate_function`` or an environment)."""
+        return self._custom_generate is not None
+
     def _new_group(self, row: PromptRow, n: int) -> list[Sample]:
         return [
             Sample(prompt=row.prompt, prompt_tokens=list(row.prompt_tokens), group_index=-1, sample_index=j,
@@ -505,7 +478,7 @@ class RolloutManager:
             if self._rollout_function is not None:
                 samples = list(await _maybe_await(self._rollout_function(self.cfg, rollout_id, self)))
             else:
-                groups = await self._collect_groups(self.sampling_params(), stats)
+                groups = await collect_groups(self, self.sampling_params(), stats)
                 samples = []
                 for g, group in enumerate(groups):
                     for s in group:
@@ -520,54 +493,6 @@ class RolloutManager:
         self._metrics = self._step_metrics(samples, elapsed, stats, len(self.pool.failures) - failures_before,
                                            self.pool.retries - retries_before)
         return samples
-
-    async def _collect_groups(self, params: dict[str, Any], stats: dict[str, int]) -> list[list[Sample]]:
-        target = self.settings.rollout_batch_size
-        round_size = (self.settings.over_sampling_batch_size or 0) if self.group_filter is not None else 0
-        kept: list[tuple[tuple[int, int], list[Sample]]] = []
-        for round_index in range(self.max_sampling_rounds):
-            need = target - len(kept)
-            if need <= 0:
-                break
-            stats["rounds"] += 1
-            rows = self.dataset.next_batch(max(need, round_size))
-            first_key, self._group_counter = self._group_counter, self._group_counter + len(rows)
-            if self.group_filter is None and self._custom_generate is None:  # every group is kept
-                groups = await self.generate_round(rows, params, first_key)
-                kept.extend(((round_index, pos), group) for pos, group in enumerate(groups))
-                continue
-            tasks = {asyncio.create_task(self.generate_group(row, params, group_key=first_key + pos)):
-                     (round_index, pos) for pos, row in enumerate(rows)}
-            pending: set[asyncio.Task[list[Sample]]] = set(tasks)
-            try:
-                while pending:
-                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                    for task in sorted(done, key=tasks.__getitem__):
-                        group = task.result()
-                        if len(kept) >= target:
-                            stats["surplus"] += 1
-                        elif self.group_filter is None or self.group_filter(group):
-                            kept.append((tasks[task], group))
-                        else:
-                            stats["dropped"] += 1
-                    if len(kept) >= target and pending:
-                        stats["aborted"] += len(pending)
-                        break
-            finally:
-                if pending:
-                    for task in pending:
-                        task.cancel()
-                    await asyncio.gather(*pending, return_exceptions=True)
-                    await self.pool.abort_all()
-        if len(kept) < target:
-            raise RaygymError(
-                f"dynamic sampling kept {len(kept)} of rollout_batch_size={target} groups after "
-                f"{self.max_sampling_rounds} rounds ({stats['dropped']} dropped by dynamic_sampling_filter_path="
-                f"{self.settings.dynamic_sampling_filter_path!r}); raise over_sampling_batch_size or relax the filter"
-            )
-        kept.sort(key=lambda item: item[0])
-        stats["kept"] = len(kept)
-        return [group for _, group in kept]
 
     def _step_metrics(self, samples: Sequence[Sample], elapsed: float, stats: dict[str, int],
                       failures: int, retries: int) -> dict[str, float]:

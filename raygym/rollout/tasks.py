@@ -17,7 +17,7 @@ from raygym.types import Sample
 
 if TYPE_CHECKING:
     from raygym.config.run import TrainConfig
-    from raygym.rollout.manager import RolloutSettings
+    from raygym.rollout.settings import RolloutSettings
 
 
 def episode_runner(settings: RolloutSettings, tokenizer: Any, custom_generate: Any) -> Any:

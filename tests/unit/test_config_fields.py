@@ -77,7 +77,7 @@ READ_BY = {
         "rollout_top_p": "raygym/rollout/manager.py",
         "rollout_stop_token_ids": "raygym/rollout/manager.py",
         "rollout_shuffle": "raygym/data.py",
-        "over_sampling_batch_size": "raygym/rollout/manager.py",
+        "over_sampling_batch_size": "raygym/rollout/dynamic_sampling.py",
         "dynamic_sampling_filter_path": "raygym/rollout/manager.py",
         "balance_data": "raygym/trainer/torch_backend.py",
         "rm_type": "raygym/rewards.py",
