@@ -84,7 +84,8 @@ def candidate_program(stage_call: str | None, request_fd: int, reply_fd: int,
     return _BOOTSTRAP + _stage_line(stage_call) + entry, (("stage",) if stage_call else ()) + ("wire", "candidate")
 
 
-def grader_program(request_fd: int, reply_fd: int, max_bytes: int, undumpable: bool) -> tuple[str, tuple[str, ...]]:
-    """The grader of a graded run: :func:`raygym.sandbox.grader.main`."""
+def grader_program(stage_call: str | None, request_fd: int, reply_fd: int, max_bytes: int,
+                   undumpable: bool) -> tuple[str, tuple[str, ...]]:
+    """The grader of a graded run: the optional stage, then :func:`raygym.sandbox.grader.main`."""
     entry = f"from raygym.sandbox import grader\ngrader.main({request_fd}, {reply_fd}, {max_bytes}, {undumpable}, payload)\n"
-    return _BOOTSTRAP + entry, ("wire", "grader")
+    return _BOOTSTRAP + _stage_line(stage_call) + entry, (("stage",) if stage_call else ()) + ("wire", "grader")

@@ -176,8 +176,9 @@ class Sandbox:
 
     def run_graded(self, code: str, tests_payload: bytes, limits: Limits | None = None) -> tuple[RunResult, RunResult]:
         """Run ``code`` as the candidate and the grader (fed ``tests_payload``) beside it, connected by two
-        pipes; returns (candidate, grader) results. The grader runs outside the candidate's namespaces as
-        a uid of its own (as root): the candidate can neither see nor signal it."""
+        pipes; returns (candidate, grader) results. The grader runs in a sandbox of its own (the tests
+        are trusted, but the values they handle come from the candidate) with a uid of its own (as
+        root): the candidate can neither see nor signal it."""
         limits = limits or self.limits
         with self._serial:
             limits = self._prepare(limits)
@@ -189,12 +190,11 @@ class Sandbox:
                                                      limits.message_bytes)
                 children.append(start_sandboxed(self.backend, limits, program, _encode(code), uid=self._user,
                                                 cgroup=self.cgroup, pass_fds=(request_r, reply_w)))
-                bootstrap, modules = programs.grader_program(request_w, reply_r, limits.message_bytes,
-                                                             undumpable=self._user is None)
-                children.append(Child(
-                    grader_limits(limits).prlimit_argv() + [self.python, *_PYTHON, bootstrap], uid=self._grader_user,
-                    stdin=programs.stdin_for(modules, tests_payload, programs.reads_our_bytecode(self.python)),
-                    output_cap=limits.output_bytes, pass_fds=(request_w, reply_r)))
+                judge = grader_limits(limits)
+                program = programs.grader_program(stage_call(self.backend, judge), request_w, reply_r,
+                                                  limits.message_bytes, undumpable=self._user is None)
+                children.append(start_sandboxed(self.backend, judge, program, tests_payload, uid=self._grader_user,
+                                                cgroup=None, pass_fds=(request_w, reply_r)))
             except BaseException:
                 for child in children:
                     child.kill()
@@ -281,7 +281,8 @@ def grader_limits(limits: Limits) -> Limits:
     ``message_bytes``, which may decode to many times that), with the run's CPU time."""
     return Limits(cpu_seconds=limits.cpu_seconds + 1, wall_seconds=limits.wall_seconds,
                   memory_bytes=max(1024 ** 3, 32 * limits.message_bytes), tmp_bytes=1024 * 1024,
-                  processes=8, open_files=32, output_bytes=limits.output_bytes, message_bytes=limits.message_bytes)
+                  processes=limits.processes, open_files=32, output_bytes=limits.output_bytes,
+                  message_bytes=limits.message_bytes)
 
 
 def _probe(backend: str, as_root: bool) -> str | None:
