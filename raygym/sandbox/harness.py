@@ -2,8 +2,8 @@
 
 The candidate code runs in the sandbox (:mod:`raygym.sandbox.candidate`); each test (a Python
 statement, e.g. ``assert f(2) == 4``) runs in a separate grader process
-(:mod:`raygym.sandbox.grader`) that the candidate cannot see, signal, trace or write to, and that
-takes nothing from the candidate but plain values (:mod:`raygym.sandbox.wire`). The verdicts are
+(:mod:`raygym.sandbox.grader`, in a sandbox of its own) that the candidate cannot see, signal, trace
+or write to, and that takes nothing from the candidate but plain values (:mod:`raygym.sandbox.wire`). The verdicts are
 the grader's lines on its own stdout, read here; nothing the candidate prints, imports, patches or
 inspects reaches them, and the tests' expected values never enter the candidate's process. A run
 that times out keeps the verdicts the grader gave before.

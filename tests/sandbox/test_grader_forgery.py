@@ -10,6 +10,10 @@ channel, reach the grader through ``/proc``, ``ptrace`` or signals, exit early, 
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 
 from raygym.sandbox import Limits, Sandbox, run_tests
@@ -94,6 +98,15 @@ def test_answers_a_test_prints_are_not_verdicts(box):
     report = run_tests(box, code, ["print(f(1))\nassert f(1) == 2", "import sys\nprint(f(1), file=sys.stderr)",
                                    "print(f(1), flush=True)\nassert False"])
     assert (report.passed, report.failed) == (1, 2), report  # only the test with no assertion passed
+
+
+def test_a_test_that_evaluates_an_answer_stays_in_the_graders_sandbox(box):
+    # A dataset's test that runs the candidate's answer as code hands the candidate the grader's
+    # interpreter: that interpreter is sandboxed too, so the host stays out of reach.
+    target = Path(f"/tmp/raygym-grader-escape-{os.getpid()}-{time.monotonic_ns()}")
+    answer = f"open({str(target)!r}, 'w').write('owned') and __import__('os').listdir('/')"
+    report = run_tests(box, f"def f(x):\n    return {answer!r}\n", ["assert 'home' in eval(f(1))"])
+    assert report.passed == 0 and report.loaded and not target.exists(), report
 
 
 @pytest.mark.parametrize("name", sorted(FORGERIES))
