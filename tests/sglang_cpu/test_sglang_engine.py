@@ -274,3 +274,23 @@ def test_http_methods_match_stock_sglang_route_by_route(engine, sglang_model):
         ours = answers(url)
     differ = [(m, p) for (m, p, _), a, b in zip(METHOD_PARITY, sglang, ours, strict=True) if a != b]
     assert not differ, f"405 on one server only: {differ}"
+
+
+def test_an_update_mid_generation_splits_the_response_into_two_versions(engine, sglang_python, sglang_model):
+    """fully_async on stock SGLang: the sync aborts the request in flight, raygym continues it on the new
+    weights; each part's log-probs match the trainer at its own version."""
+    from raygym.rollout.auth import auth_headers
+    from tests.inflight_split import assert_update_mid_generation_splits_versions
+
+    trainer = LocalTrainer(sglang_model, lr=2e-2)
+    sync = make_sync(engine, sglang_python, trainer, fully_async=True)
+    try:
+        sync.push(1)
+
+        def running() -> bool:
+            load = httpx.get(f"{engine.url()}/get_load", headers=auth_headers(), timeout=30).json()
+            return any(item.get("num_reqs", 0) for item in (load if isinstance(load, list) else [load]))
+
+        assert_update_mid_generation_splits_versions(engine, sync, trainer, 1, running)
+    finally:
+        sync.shutdown()

@@ -271,3 +271,20 @@ def test_a_sync_that_cannot_verify_fails_loudly(engine, vllm_python, vllm_model)
     with pytest.raises(WeightSyncError, match="probe log-probs differ"):
         sync.push(1)
     sync.shutdown()
+
+
+def test_an_update_mid_generation_splits_the_response_into_two_versions(engine, vllm_python, vllm_model):
+    """fully_async on vLLM: the sync aborts the request in flight, raygym continues it on the new weights; each
+    part's log-probs match the trainer at its own version."""
+    from tests.inflight_split import assert_update_mid_generation_splits_versions
+
+    trainer = LocalTrainer(vllm_model, lr=2e-2)
+    sync = make_sync(engine, vllm_python, trainer, fully_async=True)
+    try:
+        sync.push(1)
+        with stats_client() as client:
+            assert_update_mid_generation_splits_versions(engine, sync, trainer, 1,
+                                                         lambda: stats(engine, client)["running"] > 0, tolerance=0.01,
+                                                         max_new_tokens=LONG_CONTEXT - 16)
+    finally:
+        sync.shutdown()

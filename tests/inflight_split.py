@@ -1,0 +1,87 @@
+"""A weight update that lands while a request is generating, on an engine whose answers carry one weight version
+(stock SGLang, vLLM): the sync's pause aborts the request, which comes back with its tokens so far; raygym
+continues it on the new weights (the rollout manager's continuation request); the two parts carry their own
+versions and each part's log-probs are its own weights' (checked against the trainer before and after the
+update). Shared by tests/sglang_cpu and tests/vllm_cpu."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from raygym.rollout.responses import continuation_params, finish_type, token_versions
+from raygym.types import Sample
+
+PROMPT = [3, 4, 5, 6]
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
+    """Poll an engine counter until ``condition`` holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def mean_abs(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def assert_update_mid_generation_splits_versions(engine: Any, sync: Any, trainer: Any, version: int,
+                                                 running: Callable[[], bool], tolerance: float = 0.05,
+                                                 max_new_tokens: int = 200) -> None:
+    """``engine`` (an EngineActor) serves ``version`` from ``trainer``; ``running()`` says a request is in the
+    engine. Pushes ``version + 1`` while one generates (``max_new_tokens`` long enough to still run when the push
+    starts) and checks both parts."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 17}
+    answer: dict[str, Any] = {}
+
+    def generate() -> None:
+        answer["r"] = engine.generate({"input_ids": [PROMPT], "sampling_params": [params], "return_logprob": True})[0]
+
+    before = copy.deepcopy(trainer.model)
+    trainer.train_step()  # version + 1, pushed once the request runs
+    thread = threading.Thread(target=generate)
+    thread.start()
+    wait_until(running, "the request to run in the engine")
+    sync.push(version + 1)  # pauses by aborting: the request comes back with what it generated so far
+    thread.join(120)
+    first = answer["r"]
+    meta = first["meta_info"]
+    assert finish_type(meta) == "abort", meta["finish_reason"]
+    sample = Sample(prompt="", prompt_tokens=list(PROMPT), group_index=0)
+    sample.response_tokens = [int(t) for _, t, _ in meta["output_token_logprobs"]]
+    sample.rollout_log_probs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
+    sample.token_versions = token_versions(meta, sample.response_length, -1)
+    assert 0 < sample.response_length < max_new_tokens and set(sample.token_versions) == {version}
+
+    rest = engine.generate({"input_ids": [PROMPT + sample.response_tokens], "return_logprob": True,
+                            "sampling_params": [continuation_params(sample, params, 1)]})[0]
+    rest_meta = rest["meta_info"]
+    assert finish_type(rest_meta) == "length"
+    tail = [int(t) for _, t, _ in rest_meta["output_token_logprobs"]]
+    tail_lp = [float(lp) for lp, _, _ in rest_meta["output_token_logprobs"]]
+    tail_versions = token_versions(rest_meta, len(tail), -1)
+    assert sample.response_length + len(tail) == max_new_tokens and set(tail_versions) == {version + 1}
+
+    after = trainer.model
+    head_want_old = probe(before, PROMPT, sample.response_tokens)
+    tail_want_new = probe(after, PROMPT + sample.response_tokens, tail)
+    tail_want_old = probe(before, PROMPT + sample.response_tokens, tail)
+    assert mean_abs(sample.rollout_log_probs, head_want_old) < tolerance
+    assert mean_abs(tail_lp, tail_want_new) < tolerance
+    # the tail really came from the new weights: the old ones score it clearly worse than the new ones do
+    assert mean_abs(tail_lp, tail_want_old) > 2 * mean_abs(tail_lp, tail_want_new)
+
+
+def probe(model: Any, prompt: list[int], response: list[int]) -> list[float]:
+    import torch
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt + response])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
