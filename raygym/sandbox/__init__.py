@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from raygym.sandbox.harness import TestReport, run_tests
-from raygym.sandbox.isolation import Limits, SandboxUnavailable
+from raygym.sandbox.isolation import Limits, SandboxUnavailable, detect_backend
 from raygym.sandbox.process import RunResult
-from raygym.sandbox.runner import Sandbox, detect_backend
+from raygym.sandbox.runner import Sandbox
 
 
 def run_code(source: str, limits: Limits | None = None, backend: str | None = None,

@@ -1,6 +1,7 @@
-"""How a sandboxed process is isolated: the command line that wraps it.
+"""How a sandboxed process is isolated: the command line that wraps it, starting it
+(:func:`start_sandboxed`), and which backend this machine can use (:func:`detect_backend`).
 
-Three backends; :func:`raygym.sandbox.runner.detect_backend` picks the first of the first two that works (probed once per
+Three backends; :func:`detect_backend` picks the first of the first two that works (probed once per
 process) and refuses to run when neither does, unless the caller opted into the third:
 
 - ``bwrap`` (Debian's ``bubblewrap``): new user, network, PID, IPC, UTS and cgroup namespaces; a root
@@ -24,16 +25,27 @@ nothing is written on the host.
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import functools
+import os
 import shutil
+import subprocess
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from raygym.errors import ConfigError, RaygymError
-from raygym.sandbox.seccomp import build_filter
+from raygym.sandbox import programs
+from raygym.sandbox.memcg import MemoryCgroup
+from raygym.sandbox.process import Child, RunResult, kill_processes_of, processes_of
+from raygym.sandbox.seccomp import UnsupportedArchitecture, build_filter
 
 BACKENDS = ("bwrap", "unshare")
 WEAK_BACKEND = "weak"
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+LOCK_DIR = Path("/tmp/raygym-sandbox-uids")  # lock files of the sandbox uids (see raygym.sandbox.runner)
+PROBE_UID = 61511  # detect_backend's probe when root: one uid, claimed like the others
+_PYTHON = ("-I", "-S", "-c")
 MiB = 1024 * 1024
 
 
@@ -155,3 +167,117 @@ def backend_argv(backend: str, limits: Limits, program_argv: list[str], seccomp_
     if backend == WEAK_BACKEND:
         return limits.prlimit_argv() + program_argv
     raise ValueError(f"backend={backend!r}: one of {BACKENDS + (WEAK_BACKEND,)}")
+
+
+class _SeccompPipe:
+    """bubblewrap reads its filter from an inherited descriptor: a pipe holding the program."""
+
+    def __init__(self, backend: str) -> None:
+        self.read_fd = -1
+        if backend == "bwrap":
+            program = seccomp_program(True)
+            self.read_fd, write_fd = os.pipe()
+            os.write(write_fd, program)  # a few KiB: fits the pipe's buffer
+            os.close(write_fd)
+
+    def close(self) -> None:
+        if self.read_fd >= 0:
+            os.close(self.read_fd)
+            self.read_fd = -1
+
+
+def encode_source(text: str) -> bytes:
+    """Program text as the sandboxed interpreter reads it (lone surrogates kept)."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+def start_sandboxed(backend: str, limits: Limits, program: tuple[str, tuple[str, ...]], payload: bytes, *,
+                    uid: int | None, cgroup: MemoryCgroup | None, pass_fds: tuple[int, ...] = ()) -> Child:
+    """Start ``program`` (bootstrap, shipped modules; see :mod:`raygym.sandbox.programs`) with ``payload``
+    isolated by ``backend``, as ``uid``, in ``cgroup``, inheriting ``pass_fds``. Not fed yet."""
+    python = python_executable()
+    bootstrap, modules = program
+    stdin = programs.stdin_for(modules, payload, programs.reads_our_bytecode(python))
+    seccomp = _SeccompPipe(backend)
+    try:
+        argv = backend_argv(backend, limits, [python, *_PYTHON, bootstrap], seccomp.read_fd if seccomp.read_fd >= 0 else None)
+        fds = pass_fds + ((seccomp.read_fd,) if seccomp.read_fd >= 0 else ())
+        return Child(argv, uid=uid, stdin=stdin, output_cap=limits.output_bytes, pass_fds=fds, cgroup=cgroup)
+    finally:
+        seccomp.close()
+
+
+def _claim_probe_uid() -> tuple[int, int]:
+    """The probe's uid, waiting for another process's probe to finish."""
+    LOCK_DIR.mkdir(mode=0o755, exist_ok=True)
+    fd = os.open(LOCK_DIR / str(PROBE_UID), os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return PROBE_UID, fd
+
+
+def probe_run(backend: str, as_root: bool, source: str) -> RunResult:
+    """One short run of ``source`` on ``backend`` as the probe uid (as root), without detection."""
+    limits = Limits()
+    lock, uid = -1, None
+    if as_root:
+        uid, lock = _claim_probe_uid()
+    else:
+        limits = dataclasses.replace(limits, processes=limits.processes + len(processes_of(os.geteuid())))
+    try:
+        child = start_sandboxed(backend, limits, programs.run_program(stage_call(backend, limits)),
+                                encode_source(source), uid=uid, cgroup=None)
+        try:
+            child.feed()
+            finished = child.wait(30.0)
+        finally:
+            child.kill()
+        leftovers = kill_processes_of([uid]) if uid is not None else 0
+        return child.result(timed_out=not finished, leftovers=leftovers)
+    finally:
+        if lock >= 0:
+            os.close(lock)
+
+
+def _probe(backend: str, as_root: bool) -> str | None:
+    """None when ``backend`` runs a trivial program fully isolated, else why not."""
+    tool = {"bwrap": "bwrap", "unshare": "unshare", WEAK_BACKEND: "prlimit"}[backend]
+    if shutil.which(tool) is None or shutil.which("prlimit") is None:
+        return f"{tool} or prlimit is not installed"
+    try:
+        result = probe_run(backend, as_root, "print('ok')")
+    except (OSError, subprocess.SubprocessError, UnsupportedArchitecture) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if result.exit_code != 0 or result.stdout.strip() != "ok":
+        return f"exit {result.exit_code}: {result.stderr.strip()[-300:]}"
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def detect_backend(preferred: str | None = None, as_root: bool = False, allow_weak_isolation: bool = False) -> str:
+    """The first backend (``preferred`` only, when given) that isolates here; raises
+    :class:`SandboxUnavailable` saying why each failed. ``weak`` is used (and may be preferred) only
+    with ``allow_weak_isolation``. ``as_root``: probe as a sandbox uid, as a root host runs them."""
+    known = BACKENDS + (WEAK_BACKEND,)
+    if preferred is not None and preferred not in known:
+        raise ConfigError(f"sandbox backend={preferred!r}: one of {known}")
+    if preferred == WEAK_BACKEND and not allow_weak_isolation:
+        raise ConfigError("sandbox backend='weak' runs generated code without namespaces; pass "
+                          "allow_weak_isolation=True to mean it, or install bubblewrap")
+    order = [preferred] if preferred else list(BACKENDS)
+    reasons = []
+    for backend in order:
+        why = _probe(backend, as_root)
+        if why is None:
+            return backend
+        reasons.append(f"{backend}: {why}")
+    if allow_weak_isolation and preferred is None:
+        why = _probe(WEAK_BACKEND, as_root)
+        if why is None:
+            return WEAK_BACKEND
+        reasons.append(f"{WEAK_BACKEND}: {why}")
+    raise SandboxUnavailable(
+        "cannot isolate generated code on this machine (" + "; ".join(reasons) + "). Install bubblewrap "
+        "(apt-get install bubblewrap) and allow unprivileged user namespaces (sysctl "
+        "kernel.unprivileged_userns_clone=1, or user.max_user_namespaces > 0); or, for code you would run "
+        "unsandboxed anyway, pass allow_weak_isolation=True (no namespaces: it sees the host's files)"
+    )

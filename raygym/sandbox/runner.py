@@ -18,35 +18,30 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import functools
 import os
-import shutil
-import subprocess
 import threading
 import time
-from pathlib import Path
 
-from raygym.errors import ConfigError, RaygymError
+from raygym.errors import RaygymError
 from raygym.sandbox import programs
 from raygym.sandbox.isolation import (
-    BACKENDS,
+    LOCK_DIR,
+    PROBE_UID,
     WEAK_BACKEND,
     Limits,
-    SandboxUnavailable,
-    backend_argv,
+    detect_backend,
+    encode_source,
     python_executable,
-    seccomp_program,
     stage_call,
+    start_sandboxed,
 )
 from raygym.sandbox.memcg import MemoryCgroup, cgroup_name
 from raygym.sandbox.process import Child, RunResult, kill_processes_of, kill_until_gone, processes_of
-from raygym.sandbox.seccomp import UnsupportedArchitecture
+
+__all__ = ["GRACE_SECONDS", "UID_RANGE", "RunResult", "Sandbox", "detect_backend", "grader_limits", "processes_of"]
 
 UID_RANGE = range(61000, 61512)
-PROBE_UID = 61511  # detect_backend's probe when root: the last uid, claimed like any other
-LOCK_DIR = Path("/tmp/raygym-sandbox-uids")
 GRACE_SECONDS = 0.5  # how long a candidate may take to exit once its grader is done
-_PYTHON = ("-I", "-S", "-c")
 
 
 def _claim_uid(exclude: tuple[int, ...] = ()) -> tuple[int, int]:
@@ -63,23 +58,6 @@ def _claim_uid(exclude: tuple[int, ...] = ()) -> tuple[int, int]:
             continue
         return uid, fd
     raise RaygymError(f"every sandbox uid in {UID_RANGE.start}..{UID_RANGE.stop - 1} is in use; end other sandboxes")
-
-
-class _SeccompPipe:
-    """bubblewrap reads its filter from an inherited descriptor: a pipe holding the program."""
-
-    def __init__(self, backend: str) -> None:
-        self.read_fd = -1
-        if backend == "bwrap":
-            program = seccomp_program(True)
-            self.read_fd, write_fd = os.pipe()
-            os.write(write_fd, program)  # a few KiB: fits the pipe's buffer
-            os.close(write_fd)
-
-    def close(self) -> None:
-        if self.read_fd >= 0:
-            os.close(self.read_fd)
-            self.read_fd = -1
 
 
 class Sandbox:
@@ -166,7 +144,7 @@ class Sandbox:
         with self._serial:
             limits = self._prepare(limits)
             child = start_sandboxed(self.backend, limits, programs.run_program(stage_call(self.backend, limits)),
-                                    _encode(source), uid=self._user, cgroup=self.cgroup)
+                                    encode_source(source), uid=self._user, cgroup=self.cgroup)
             try:
                 child.feed()
                 finished = child.wait(limits.wall_seconds)
@@ -188,7 +166,7 @@ class Sandbox:
             try:
                 program = programs.candidate_program(stage_call(self.backend, limits), request_r, reply_w,
                                                      limits.message_bytes)
-                children.append(start_sandboxed(self.backend, limits, program, _encode(code), uid=self._user,
+                children.append(start_sandboxed(self.backend, limits, program, encode_source(code), uid=self._user,
                                                 cgroup=self.cgroup, pass_fds=(request_r, reply_w)))
                 judge = grader_limits(limits)
                 program = programs.grader_program(stage_call(self.backend, judge), request_w, reply_r,
@@ -224,58 +202,6 @@ class Sandbox:
             return kill_until_gone(self.cgroup.pids)
         return kill_processes_of(self._uids())
 
-    @staticmethod
-    def probe_run(backend: str, as_root: bool, source: str) -> RunResult:
-        """One short run of ``source`` on ``backend`` as the probe uid (as root), without detection."""
-        limits = Limits()
-        lock, uid = -1, None
-        if as_root:
-            uid, lock = _claim_probe_uid()
-        else:
-            limits = dataclasses.replace(limits, processes=limits.processes + len(processes_of(os.geteuid())))
-        try:
-            child = start_sandboxed(backend, limits, programs.run_program(stage_call(backend, limits)),
-                                    _encode(source), uid=uid, cgroup=None)
-            try:
-                child.feed()
-                finished = child.wait(30.0)
-            finally:
-                child.kill()
-            leftovers = kill_processes_of([uid]) if uid is not None else 0
-            return child.result(timed_out=not finished, leftovers=leftovers)
-        finally:
-            if lock >= 0:
-                os.close(lock)
-
-
-def _encode(text: str) -> bytes:
-    return text.encode("utf-8", "surrogatepass")
-
-
-def start_sandboxed(backend: str, limits: Limits, program: tuple[str, tuple[str, ...]], payload: bytes, *,
-                    uid: int | None, cgroup: MemoryCgroup | None, pass_fds: tuple[int, ...] = ()) -> Child:
-    """Start ``program`` (bootstrap, shipped modules; see :mod:`raygym.sandbox.programs`) with ``payload``
-    isolated by ``backend``, as ``uid``, in ``cgroup``, inheriting ``pass_fds``. Not fed yet."""
-    python = python_executable()
-    bootstrap, modules = program
-    stdin = programs.stdin_for(modules, payload, programs.reads_our_bytecode(python))
-    seccomp = _SeccompPipe(backend)
-    try:
-        argv = backend_argv(backend, limits, [python, *_PYTHON, bootstrap], seccomp.read_fd if seccomp.read_fd >= 0 else None)
-        fds = pass_fds + ((seccomp.read_fd,) if seccomp.read_fd >= 0 else ())
-        return Child(argv, uid=uid, stdin=stdin, output_cap=limits.output_bytes, pass_fds=fds, cgroup=cgroup)
-    finally:
-        seccomp.close()
-
-
-def _claim_probe_uid() -> tuple[int, int]:
-    """The probe's uid, waiting for another process's probe to finish."""
-    LOCK_DIR.mkdir(mode=0o755, exist_ok=True)
-    fd = os.open(LOCK_DIR / str(PROBE_UID), os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return PROBE_UID, fd
-
-
 def grader_limits(limits: Limits) -> Limits:
     """The grader's own limits: it runs only the tests and decodes the candidate's answers (each at most
     ``message_bytes``, which may decode to many times that), with the run's CPU time."""
@@ -285,46 +211,3 @@ def grader_limits(limits: Limits) -> Limits:
                   message_bytes=limits.message_bytes)
 
 
-def _probe(backend: str, as_root: bool) -> str | None:
-    """None when ``backend`` runs a trivial program fully isolated, else why not."""
-    tool = {"bwrap": "bwrap", "unshare": "unshare", WEAK_BACKEND: "prlimit"}[backend]
-    if shutil.which(tool) is None or shutil.which("prlimit") is None:
-        return f"{tool} or prlimit is not installed"
-    try:
-        result = Sandbox.probe_run(backend, as_root, "print('ok')")
-    except (OSError, subprocess.SubprocessError, UnsupportedArchitecture) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    if result.exit_code != 0 or result.stdout.strip() != "ok":
-        return f"exit {result.exit_code}: {result.stderr.strip()[-300:]}"
-    return None
-
-
-@functools.lru_cache(maxsize=8)
-def detect_backend(preferred: str | None = None, as_root: bool = False, allow_weak_isolation: bool = False) -> str:
-    """The first backend (``preferred`` only, when given) that isolates here; raises
-    :class:`SandboxUnavailable` saying why each failed. ``weak`` is used (and may be preferred) only
-    with ``allow_weak_isolation``. ``as_root``: probe as a sandbox uid, as a root host runs them."""
-    known = BACKENDS + (WEAK_BACKEND,)
-    if preferred is not None and preferred not in known:
-        raise ConfigError(f"sandbox backend={preferred!r}: one of {known}")
-    if preferred == WEAK_BACKEND and not allow_weak_isolation:
-        raise ConfigError("sandbox backend='weak' runs generated code without namespaces; pass "
-                          "allow_weak_isolation=True to mean it, or install bubblewrap")
-    order = [preferred] if preferred else list(BACKENDS)
-    reasons = []
-    for backend in order:
-        why = _probe(backend, as_root)
-        if why is None:
-            return backend
-        reasons.append(f"{backend}: {why}")
-    if allow_weak_isolation and preferred is None:
-        why = _probe(WEAK_BACKEND, as_root)
-        if why is None:
-            return WEAK_BACKEND
-        reasons.append(f"{WEAK_BACKEND}: {why}")
-    raise SandboxUnavailable(
-        "cannot isolate generated code on this machine (" + "; ".join(reasons) + "). Install bubblewrap "
-        "(apt-get install bubblewrap) and allow unprivileged user namespaces (sysctl "
-        "kernel.unprivileged_userns_clone=1, or user.max_user_namespaces > 0); or, for code you would run "
-        "unsandboxed anyway, pass allow_weak_isolation=True (no namespaces: it sees the host's files)"
-    )
