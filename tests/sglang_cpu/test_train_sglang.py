@@ -24,3 +24,14 @@ def test_train_with_stock_sglang_learns(tmp_path, sglang_python):
                                    "--num-rollout", str(STEPS)], tmp_path / "run", python=python)
     assert_learns_with_probe_verified_syncs(rows, STEPS)
     assert "sglang" in log.lower() and "RAYGYM_ENGINE_API_KEY" not in log
+
+
+def test_fully_async_with_stock_sglang_learns_within_the_staleness_bound(tmp_path, sglang_python):
+    """--fully-async on stock SGLang: generation runs ahead up to --max-staleness steps, every sync's pause aborts
+    what is in flight and raygym continues it on the new weights; no sample is trained past the bound."""
+    rows, _ = train_with_engine(["--rollout-engine", "sglang", "--rollout-engine-python", sglang_python,
+                                 "--fully-async", "--max-staleness", "2", "--use-tis", "--num-rollout", str(STEPS)],
+                                tmp_path / "run")
+    assert_learns_with_probe_verified_syncs(rows, STEPS)
+    assert all(0 <= r["rollout/staleness_max"] <= 2 for r in rows)
+    assert max(r["rollout/staleness_max"] for r in rows) >= 1

@@ -44,3 +44,14 @@ def test_the_builtin_model_is_refused_before_anything_starts(tmp_path, vllm_pyth
     assert run.returncode != 0
     assert "head_dim=16" in run.stdout + run.stderr and "head_dim=32" in run.stdout + run.stderr
     assert "Started a local Ray instance" not in run.stdout + run.stderr
+
+
+def test_fully_async_with_vllm_learns_within_the_staleness_bound(tmp_path, vllm_python, vllm_model):
+    """--fully-async on vLLM: generation runs ahead up to --max-staleness steps; what a sync aborts is continued
+    on the new weights; no sample is trained past the bound."""
+    rows, _ = train_with_engine(["--preset", "tiny", "--hf-checkpoint", vllm_model, "--rollout-engine", "vllm",
+                                 "--rollout-engine-python", vllm_python, "--fully-async", "--max-staleness", "2",
+                                 "--use-tis", "--num-rollout", str(STEPS)], tmp_path / "run")
+    assert_learns_with_probe_verified_syncs(rows, STEPS)
+    assert all(0 <= r["rollout/staleness_max"] <= 2 for r in rows)
+    assert max(r["rollout/staleness_max"] for r in rows) >= 1
