@@ -235,14 +235,33 @@ def result_lines(result: object) -> list[str]:
 @app.command()
 @click.argument("checkpoint_dir")
 @click.argument("out_dir")
-def export(checkpoint_dir: str, out_dir: str) -> None:
+@click.option("--merged", is_flag=True, help="LoRA runs: the adapter folded into the base model (a whole HF model) "
+              "instead of the adapter alone.")
+@click.option("--base", default=None, help="LoRA runs with --merged: the base model directory (default: the one "
+              "the adapter names).")
+def export(checkpoint_dir: str, out_dir: str, merged: bool, base: str | None) -> None:
     """Export a raygym checkpoint (an iter_* directory, or a save directory: its newest complete one) to a
-    Hugging Face model directory."""
-    from raygym.checkpoint import checkpoint_to_export, export_hf
+    Hugging Face model directory; a LoRA run's to its adapter in PEFT's format (--merged: the merged model)."""
+    from raygym.checkpoint import (
+        checkpoint_adapter,
+        checkpoint_to_export,
+        export_adapter,
+        export_hf,
+        export_merged,
+    )
 
     path, rollout_id = checkpoint_to_export(checkpoint_dir)
-    click.echo(f"exporting {path} (saved after step {rollout_id}) ...")
-    click.echo(f"exported step {rollout_id} to {export_hf(path, out_dir)}")
+    adapter = checkpoint_adapter(path) is not None
+    if (merged or base) and not adapter:
+        raise ConfigError(f"--merged/--base: {path} is not a LoRA run's checkpoint (it holds the whole model); "
+                          "export it without them")
+    what = "the merged model" if merged else "the LoRA adapter (PEFT format)" if adapter else "the model"
+    click.echo(f"exporting {what} of {path} (saved after step {rollout_id}) ...")
+    if merged:
+        out = export_merged(path, out_dir, base)
+    else:
+        out = export_adapter(path, out_dir) if adapter else export_hf(path, out_dir)
+    click.echo(f"exported step {rollout_id} to {out}")
 
 
 @app.command(context_settings=_PASS_THROUGH)

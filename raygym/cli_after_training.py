@@ -86,8 +86,9 @@ def serve_command(source: str, host: str, port: int, route_prefix: str, model_na
     engine_settings = {**recipe, "sglang_max_running_requests": recipe.get("sglang_max_running_requests")
                        or max_ongoing_requests}
     settings = replace(settings, model_dir=resolved.hf_dir, model_name=model_name or resolved.name,
-                       engine_settings=engine_settings)
-    click.echo(f"model: {resolved.checkpoint or resolved.hf_dir} -> {resolved.hf_dir}")
+                       engine_settings=engine_settings, adapter_dir=resolved.adapter_dir)
+    click.echo(f"model: {resolved.checkpoint or resolved.hf_dir} -> {resolved.hf_dir}"
+               + (f" + LoRA adapter {resolved.adapter_dir}" if resolved.adapter_dir else ""))
     click.echo(f"API key: {'from ' + api_key_file if api_key_file else 'from $' + API_KEY_ENV}")
     run_server(settings, key, host=host, port=port, route_prefix=route_prefix, detach=detach,
                say=lambda text: click.echo(text))

@@ -111,7 +111,19 @@ def _base_flags(source: ModelSource, flags: Sequence[str]) -> list[str]:
     else:
         preset = preset_name_for(source.name) or preset_name_for(source.hf_dir)
         base = ["--preset", preset] if preset and "--preset" not in flags else []
+    if source.adapter_dir and (source.run_config or {}).get("recipe", {}).get("lora_rank", 0) <= 0:
+        base += adapter_flags(source.adapter_dir)  # a bare adapter: serve it as its run did
     return [*base, "--hf-checkpoint", source.hf_dir]
+
+
+def adapter_flags(adapter_dir: str) -> list[str]:
+    """The ``lora_*`` flags of a PEFT adapter directory's config (rank, alpha, target modules)."""
+    from raygym.lora import LoraSpec, read_adapter
+
+    spec = LoraSpec.from_config(read_adapter(adapter_dir)[0])
+    alpha = int(spec.alpha) if spec.alpha.is_integer() else spec.alpha
+    return ["--lora-rank", str(spec.rank), "--lora-alpha", str(alpha),
+            "--lora-target-modules", ",".join(t.rsplit(".", 1)[-1] for t in spec.target_modules)]
 
 
 def plan_eval(checkpoint: str, args: Sequence[str], *, cache_dir: str | None = None) -> EvalPlan:
@@ -264,7 +276,8 @@ async def _manager_eval(cfg: TrainConfig, handles: list[Any], model_path: str, r
         await manager.close()
 
 
-def _start_engines(cfg: TrainConfig, model_path: str, log_dir: str, say: Callable[[str], None]) -> tuple[Any, Any]:
+def _start_engines(cfg: TrainConfig, model_path: str, log_dir: str, say: Callable[[str], None],
+                   adapter_dir: str | None = None) -> tuple[Any, Any]:
     import ray
 
     from raygym.actor_group import start_engine_group
@@ -275,6 +288,13 @@ def _start_engines(cfg: TrainConfig, model_path: str, log_dir: str, say: Callabl
     recipe = cfg.recipe
     alloc = engine_allocation(recipe)
     kind = choose_rollout_engine(recipe.rollout_engine)
+    server_args: list[str] = []
+    if adapter_dir:  # a LoRA checkpoint: the base model with its adapter beside it, as in training
+        from raygym.lora import LoraSpec, model_targets, read_adapter
+        from raygym.rollout.lora_args import engine_lora_args
+
+        spec = LoraSpec.from_config(read_adapter(adapter_dir)[0])
+        server_args = engine_lora_args(kind, spec, model_targets(model_path, spec), adapter_dir)
     placement = allocate(alloc, trainer_share=recipe.colocate_trainer_gpu_share,
                          engine_share=recipe.colocate_engine_gpu_share, timeout=recipe.placement_timeout)
     engines = None
@@ -283,7 +303,7 @@ def _start_engines(cfg: TrainConfig, model_path: str, log_dir: str, say: Callabl
         engines = start_engine_group(
             placement, EngineActor, args=(recipe,),
             kwargs={"model_path": model_path, "backend": kind, "log_dir": log_dir,
-                    "startup_timeout": ENGINE_START_TIMEOUT_S},
+                    "startup_timeout": ENGINE_START_TIMEOUT_S, "extra_server_args": server_args},
             environment=recipe.environment,
         )
         say(f"starting {len(engines)} {kind} engine(s) ...")
@@ -326,7 +346,7 @@ def run_eval(plan: EvalPlan, say: Callable[[str], None] = print) -> EvalResult:
     owns_ray = connect_ray(engine_allocation(cfg.recipe).total_gpus)
     placement = engines = None
     try:
-        placement, engines = _start_engines(cfg, model_path, str(out / "logs"), say)
+        placement, engines = _start_engines(cfg, model_path, str(out / "logs"), say, plan.source.adapter_dir)
         row, samples, n, threshold = asyncio.run(
             _manager_eval(cfg, list(engines.handles), model_path, plan.rollout_id, data_cache))
     finally:

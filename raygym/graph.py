@@ -50,6 +50,8 @@ def preflight_engine(recipe: Recipe, model_path: str | None = None) -> str:
                       colocate=recipe.colocate, double_buffer=recipe.update_weight_double_buffer)
     if recipe.fully_async:
         check_inflight_update(kind, pause_mode=recipe.update_weight_pause_mode)
+    if recipe.lora_rank > 0:  # before the engine's own probes: what LoRA needs is cheap to check and says more
+        preflight_lora(recipe, kind, model_path)
     if kind == "sglang":
         python = recipe.rollout_engine_python or sys.executable
         probe = subprocess.run([python, "-c", "import sglang"], capture_output=True, text=True, timeout=600,
@@ -73,8 +75,6 @@ def preflight_engine(recipe: Recipe, model_path: str | None = None) -> str:
             from raygym.rollout.vllm_args import check_cpu_head_dim
 
             check_cpu_head_dim(checkpoint_config(model_path).get("head_dim"), model_path)
-    if recipe.lora_rank > 0:
-        preflight_lora(recipe, kind, model_path)
     return kind
 
 

@@ -5,7 +5,12 @@ A source is one of:
 - a run directory (``config.json`` of a run + its checkpoints): its newest complete checkpoint;
 - a checkpoint save directory (``<run>/checkpoints``, any fsspec URL): its newest complete checkpoint;
 - one checkpoint (``<run>/checkpoints/iter_0000019``);
-- a Hugging Face model directory (``config.json`` + weights), or ``builtin:tiny-qwen3``.
+- a Hugging Face model directory (``config.json`` + weights), or ``builtin:tiny-qwen3``;
+- a LoRA adapter directory (PEFT's ``adapter_config.json`` + ``adapter_model.safetensors``).
+
+A LoRA run's checkpoint (or an adapter directory) resolves to its base model plus the adapter: ``hf_dir`` is the
+base model (the one ``adapter_config.json`` names), ``adapter_dir`` a local copy of the adapter; the engines
+serve the base with the adapter beside it, as they did in training.
 
 Checkpoints are found with :func:`raygym.checkpoint.list_checkpoints` and turned into an HF directory
 with :func:`raygym.checkpoint.export_hf`, so whatever the checkpoint format is, a source resolves the
@@ -41,6 +46,7 @@ class ModelSource:
     rollout_id: int | None = None  # the training step of that checkpoint
     run_dir: str | None = None  # the run the checkpoint belongs to, when found
     run_config: dict[str, Any] | None = field(default=None, repr=False)  # that run's resolved config.json
+    adapter_dir: str | None = None  # a LoRA adapter (PEFT directory) served beside hf_dir's weights
 
 
 def _fs(url: str) -> tuple[Any, str]:
@@ -114,12 +120,35 @@ def _export(info: Any, cache_dir: str) -> str:
     return export_hf(info.path, str(out))
 
 
+def _export_adapter(info: Any, cache_dir: str) -> str:
+    """Copy a LoRA checkpoint's adapter once into ``cache_dir`` (reused for the same manifest)."""
+    from raygym.checkpoint import export_adapter
+    from raygym.lora import is_adapter_dir
+
+    digest = hashlib.blake2b(json.dumps([info.path, info.manifest], sort_keys=True, default=str).encode(),
+                             digest_size=6).hexdigest()
+    out = Path(cache_dir) / "exports" / f"{_short_name(info.path)}-adapter-{digest}"
+    if is_adapter_dir(out):
+        return str(out)
+    return export_adapter(info.path, str(out))
+
+
 def _from_checkpoint(info: Any, cache_dir: str | None, run_dir: str | None, config: dict[str, Any] | None,
                      label: str) -> ModelSource:
+    from raygym.checkpoint import adapter_base, checkpoint_adapter
+
     if cache_dir is None:  # the run's own cache when it is on this machine (Ray workers see it as the run does)
         from raygym.builtin import default_cache_dir
 
         cache_dir = f"{run_dir}/cache" if run_dir and "://" not in run_dir else default_cache_dir()
+    if checkpoint_adapter(info.path) is not None:  # a LoRA run's: the base model plus the adapter
+        adapter = _export_adapter(info, cache_dir)
+        base = (config or {}).get("model", {}).get("hf_checkpoint")
+        return ModelSource(
+            hf_dir=adapter_base(adapter, base if base and Path(str(base), "config.json").is_file() else None),
+            kind="checkpoint", name=f"{label}-{_short_name(info.path)}", checkpoint=info.path,
+            rollout_id=info.rollout_id, run_dir=run_dir, run_config=config, adapter_dir=adapter,
+        )
     return ModelSource(
         hf_dir=_export(info, cache_dir), kind="checkpoint", name=f"{label}-{_short_name(info.path)}",
         checkpoint=info.path, rollout_id=info.rollout_id, run_dir=run_dir, run_config=config,
@@ -164,6 +193,12 @@ def resolve_model_source(source: str, cache_dir: str | None = None) -> ModelSour
         run_dir, run_config = _run_around(parent)
         label = str(run_config.get("run_id")) if run_config else _short_name(_parent(parent))
         return _from_checkpoint(match[0], cache_dir, run_dir, run_config, label)
+    from raygym.lora import is_adapter_dir
+
+    if "://" not in source and is_adapter_dir(path):  # a LoRA adapter: its base model plus it
+        from raygym.checkpoint import adapter_base
+
+        return ModelSource(adapter_base(path), "adapter", _short_name(source), adapter_dir=path)
     if config is not None:  # an HF model directory (config.json of a model)
         return ModelSource(resolve_model_path(source, cache_dir), "hf", _short_name(source))
     raise ConfigError(

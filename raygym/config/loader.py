@@ -127,6 +127,8 @@ def config_from_cli_args(args: list[str]) -> TrainConfig:
         recipe_values = presets.get_preset(preset_name).field_values()
         if "hf_checkpoint" not in layers["model"]:
             model_values = presets.default_model(preset_name).field_values()
+        if layers["recipe"].get("lora_rank", recipe_values.get("lora_rank", 0)) > 0:  # the preset's LoRA settings
+            recipe_values.update(presets.lora_overrides(preset_name))
     return TrainConfig(
         recipe=Recipe(**{**recipe_values, **layers["recipe"]}),
         model=ModelConfig(**{**model_values, **layers["model"]}),

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from aiohttp import web
 
+from raygym.lora import ADAPTER_NAME
 from raygym.rollout import protocol
 from raygym.rollout.auth import engine_api_key
 from raygym.rollout.generation import (
@@ -48,7 +49,6 @@ from raygym.rollout.generation import (
     SamplingParams,
 )
 from raygym.rollout.protocol import STATE_CHANGING, Endpoint
-from raygym.lora import ADAPTER_NAME
 from raygym.rollout.server_http import BadRequest, guard_middleware, handles_errors, parse, register_routes
 from raygym.rollout.server_lora import LoraRoutes
 from raygym.rollout.server_weights import WeightRoutes

@@ -27,7 +27,7 @@ from here). Routes map onto vLLM's engine as follows:
   ``shutdown_weight_transfer_engine``. There is no ``/raygym/weights_checksum``: raygym verifies vLLM by its
   probe (see :mod:`raygym.rollout.capabilities`);
 - LoRA (``--lora-rank R``): ``/load_lora_adapter`` / ``/unload_lora_adapter`` -> ``add_lora`` / ``remove_lora``
-  of ``LoRARequest``\s, and a request's ``lora_path`` picks one (:mod:`raygym.rollout.vllm_lora`).
+  of ``LoRARequest``\\s, and a request's ``lora_path`` picks one (:mod:`raygym.rollout.vllm_lora`).
 
 With an API key in ``RAYGYM_ENGINE_API_KEY`` every route but ``/health*`` requires it (the key never goes on a
 command line); routes that change state take POST with a JSON body only (:mod:`raygym.rollout.server_http`).

@@ -53,6 +53,7 @@ class ServeSettings:
     placement_strategy: str = "STRICT_PACK"
     default_max_tokens: int = 256  # chat completions without max_tokens
     engine_settings: dict[str, Any] = field(default_factory=dict)  # recipe fields the engine reads (sglang_*, seed)
+    adapter_dir: str | None = None  # a LoRA adapter (PEFT directory) served beside model_dir's weights
 
     def check(self) -> ServeSettings:
         """Raise :class:`ConfigError` naming the bad setting; returns self."""
@@ -171,6 +172,20 @@ def engine_recipe(engine_settings: dict[str, Any]) -> Recipe:
     return Recipe(**chosen)
 
 
+def adapter_serving(kind: str, settings: ServeSettings) -> tuple[list[str], dict[str, Any]]:
+    """(server flags, fields of every request) that make engine kind ``kind`` serve ``settings.adapter_dir``
+    beside the base weights: the adapter is loaded at start under :data:`raygym.lora.ADAPTER_NAME`, which every
+    request names (``lora_path``). Nothing without an adapter."""
+    if not settings.adapter_dir:
+        return [], {}
+    from raygym.lora import ADAPTER_NAME, LoraSpec, model_targets, read_adapter
+    from raygym.rollout.lora_args import engine_lora_args
+
+    spec = LoraSpec.from_config(read_adapter(settings.adapter_dir)[0])
+    targets = model_targets(settings.model_dir, spec)
+    return engine_lora_args(kind, spec, targets, settings.adapter_dir), {"lora_path": ADAPTER_NAME}
+
+
 class OpenAIReplica:
     """One Serve replica: starts its engine, then serves the OpenAI routes in front of it."""
 
@@ -191,14 +206,16 @@ class OpenAIReplica:
         gpus = settings.gpus_per_replica or 0
         gpu_ids = [int(g) for g in ray.get_gpu_ids()] if gpus > 0 else []
         recipe = engine_recipe({**settings.engine_settings, "rollout_num_gpus_per_engine": max(1, gpus)})
+        server_args, fields = adapter_serving(kind, settings)
         self.engine = EngineActor(recipe, engine_index=0, model_path=settings.model_dir, gpu_ids=gpu_ids,
                                   host="127.0.0.1", backend=kind,
-                                  log_dir=tempfile.mkdtemp(prefix="raygym-serve-engine-"))
+                                  log_dir=tempfile.mkdtemp(prefix="raygym-serve-engine-"),
+                                  extra_server_args=server_args)
         self.engine.start()
         tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
 
         async def generate(payload: dict[str, Any]) -> Any:
-            return await asyncio.to_thread(self.engine.generate, payload)
+            return await asyncio.to_thread(self.engine.generate, {**payload, **fields})
 
         self.front = OpenAIFront(tokenizer, generate, settings.model_name,
                                  context_len=_context_len(settings.model_dir),
