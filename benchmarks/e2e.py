@@ -11,11 +11,15 @@ Figures (one JSON line each, with the machine):
 
 - ``raygym_step_split_<mode>``: mean seconds per step and per phase (rollout wait, log-probs, train,
   sync, eval, other = control overhead) over the measured steps, and other's share of the step;
-- ``async_vs_sync_step_s``: async step time against the sync step time of the same run (ratio);
-- ``raygym_vs_trl_step_s`` / ``raygym_async_vs_trl_step_s``: raygym's step time against TRL's
+- ``async_vs_sync_step_s``, ``fully_async_vs_sync_step_s``: one-step-off (``--async-mode``) and fully
+  asynchronous (``--fully-async --use-tis``, max_staleness 2) step time against the sync step time of the same run;
+- ``raygym_vs_trl_step_s`` / ``raygym_async_vs_trl_step_s`` / ``raygym_fully_async_vs_trl_step_s``: raygym's
+  step time against TRL's
   ``GRPOTrainer`` on the same task, model, group size, prompts per step, response length and learning
   rate, run on the same machine in the same run, once before and once after raygym's runs (baseline: their
-  mean; ``trl.spread``: how far the machine drifted) (goal: ratio <= 1.0; stretch: async <= 0.5).
+  mean; ``trl.spread``: how far the machine drifted) (goal: ratio <= 1.0; fully async <= 0.8).
+  TRL's own asynchronous trainer (``trl.experimental.async_grpo``) streams weights to a vLLM server over NCCL,
+  which needs CUDA; it is not run here.
 
 TRL is not a raygym dependency: it runs in its own interpreter, ``--trl-python`` (default: the
 ``TRL_PYTHON`` environment variable; without either, the TRL figures are skipped with a message).
@@ -109,7 +113,8 @@ def split(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
 def run_raygym(mode: str, steps: int, work: Path, model_path: str, max_new_tokens: int) -> list[dict[str, Any]]:
     from raygym.driver import train
 
-    recipe = bench_recipe(max_new_tokens, num_rollout=steps, async_mode=(mode == "async"))
+    recipe = bench_recipe(max_new_tokens, num_rollout=steps, async_mode=(mode == "async"),
+                          fully_async=(mode == "fully_async"), use_tis=(mode == "fully_async"))
     with contextlib.redirect_stdout(sys.stderr):  # progress lines to stderr: stdout carries only JSON lines
         result = train(bench_config(work / mode, model_path, recipe))
     return result.steps
@@ -148,9 +153,10 @@ def bench_model(name: str, work: Path, args: argparse.Namespace, info: dict[str,
         rows = run_raygym(mode, args.steps, work, model_path, max_new_tokens)
         results[mode] = split(rows, args.warmup)
         emit(f"raygym_step_split_{mode}", info, **results[mode], setup=setup)
-    if "sync" in results and "async" in results:
-        emit("async_vs_sync_step_s", info, value=results["async"]["step_s"], baseline=results["sync"]["step_s"],
-             ratio=results["async"]["step_s"] / results["sync"]["step_s"], setup=setup)
+    for mode in ("async", "fully_async"):
+        if "sync" in results and mode in results:
+            emit(f"{mode}_vs_sync_step_s", info, value=results[mode]["step_s"], baseline=results["sync"]["step_s"],
+                 ratio=results[mode]["step_s"] / results["sync"]["step_s"], setup=setup)
     if not args.trl_python:
         print("# TRL figures skipped: pass --trl-python or set TRL_PYTHON (see this script's docstring)",
               file=sys.stderr)
@@ -159,7 +165,8 @@ def bench_model(name: str, work: Path, args: argparse.Namespace, info: dict[str,
     seconds = [r["trl_seconds_per_step"] for r in trl_runs]
     base = sum(seconds) / len(seconds)
     trl = {"trl_seconds_per_step": base, "runs": trl_runs, "spread": max(seconds) / min(seconds)}
-    for mode, figure in (("sync", "raygym_vs_trl_step_s"), ("async", "raygym_async_vs_trl_step_s")):
+    for mode, figure in (("sync", "raygym_vs_trl_step_s"), ("async", "raygym_async_vs_trl_step_s"),
+                         ("fully_async", "raygym_fully_async_vs_trl_step_s")):
         if mode in results:
             emit(figure, info, value=results[mode]["step_s"], baseline=base, ratio=results[mode]["step_s"] / base,
                  trl=trl, setup=setup)
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the means")
     p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON"),
                    help="interpreter with trl installed (default: $TRL_PYTHON; unset = skip TRL)")
-    p.add_argument("--modes", default="sync,async", help="comma-separated: sync, async")
+    p.add_argument("--modes", default="sync,async,fully_async", help="comma-separated: sync, async, fully_async")
     p.add_argument("--models", default="ref,tiny", help=f"comma-separated model sizes: {', '.join(MODEL_SIZES)}")
     args = p.parse_args(argv)
 

@@ -38,7 +38,7 @@ class Sample:
     columns: dict[str, Any] = field(default_factory=dict)  # the prompt row's other data columns, by name
     weight_version: int = 0  # the oldest policy version any of its tokens came from (see token_versions)
     token_versions: list[int] = field(default_factory=list)  # per response token (empty: all weight_version)
-    prompt_key: int = -1  # fully asynchronous runs: the run-wide number of its group (names its seeds)
+    prompt_key: int = -1  # its prompt's place in the run's prompt stream (PromptDataset.position); -1 = none
     finish_reason: str = ""  # "stop" | "length" | "abort"
     status: str = "pending"  # "pending" | "completed" | "truncated" | "aborted" | "failed"
     engine: str = ""  # which engine generated it (for traces and fault reports)

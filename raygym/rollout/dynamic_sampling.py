@@ -49,10 +49,14 @@ async def collect_groups(manager: RoundSource, params: dict[str, Any], stats: di
         if need <= 0:
             break
         stats["rounds"] += 1
+        position = manager.dataset.position  # the prompts' places in the run's prompt stream
         rows = manager.dataset.next_batch(max(need, round_size))
         first_key = manager.reserve_group_keys(len(rows))
         if manager.group_filter is None and not manager.generates_per_sample:  # every group is kept
             groups = await manager.generate_round(rows, params, first_key)
+            for pos, group in enumerate(groups):
+                for sample in group:
+                    sample.prompt_key = position + pos
             kept.extend(((round_index, pos), group) for pos, group in enumerate(groups))
             continue
         running = {asyncio.create_task(manager.generate_group(row, params, group_key=first_key + pos)):
@@ -63,6 +67,8 @@ async def collect_groups(manager: RoundSource, params: dict[str, Any], stats: di
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in sorted(done, key=running.__getitem__):
                     group = task.result()
+                    for sample in group:
+                        sample.prompt_key = position + running[task][1]
                     if len(kept) >= target:
                         stats["surplus"] += 1
                     elif manager.group_filter is None or manager.group_filter(group):

@@ -51,21 +51,25 @@ def test_fully_async_learns_with_bounded_staleness(ray_local, tmp_path):
 
 
 # ---- exact resume after SIGKILL ---------------------------------------------------------------------------
-STEPS, BATCH = 14, 4
+STEPS, BATCH = 10, 4
 
 
-def command(out: Path) -> list[str]:
+MODE_FLAGS = {"fully_async": ["--fully-async", "--max-staleness", str(K)], "one_step_off": ["--async-mode"],
+              "sync": []}
+
+
+def command(out: Path, mode: str) -> list[str]:
     save = str(out / "checkpoints")
-    return [sys.executable, "-m", "raygym", "train", "--fully-async", "--max-staleness", str(K), "--num-rollout",
-            str(STEPS), "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", "4", "--global-batch-size",
-            "16", "--save-interval", "1", "--save", save, "--load", save, "--output-dir", str(out)]
+    return [sys.executable, "-m", "raygym", "train", *MODE_FLAGS[mode], "--num-rollout", str(STEPS),
+            "--rollout-batch-size", str(BATCH), "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+            "--save-interval", "1", "--save", save, "--load", save, "--output-dir", str(out)]
 
 
-def start(out: Path) -> subprocess.Popen:
+def start(out: Path, mode: str = "fully_async") -> subprocess.Popen:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": tempfile.mkdtemp(prefix="rgfa-", dir="/tmp")}
     env.pop("RAY_ADDRESS", None)
     log = open(out.parent / f"{out.name}.log", "ab")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(command(out), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen(command(out, mode), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -138,3 +142,17 @@ def test_sigkill_at_random_points_loses_and_repeats_no_prompt(tmp_path):
     b = {k for keys in trained_and_pending(killed)[0] for k in keys}
     window = (K + 1) * BATCH  # the order may differ only as far as the staleness bound lets groups overtake
     assert min(a ^ b, default=STEPS * BATCH) >= STEPS * BATCH - window - BATCH, sorted(a ^ b)
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_sigkill_mid_step_in_the_other_modes_trains_the_prompt_stream_in_order(tmp_path, mode):
+    """Synchronous and one-step-off runs are deterministic in their prompts: killed mid-step and resumed, they
+    train prompt stream positions 0, 1, 2, ... exactly once each, in order."""
+    out = tmp_path / mode
+    proc = start(out, mode)
+    wait_for_lines(proc, out, random.Random(mode).randrange(3, STEPS - 3))
+    kill(proc)
+    finish(start(out, mode), out)
+    steps = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == list(range(STEPS))
+    assert [k for s in steps for k in s["prompt_key"]] == list(range(STEPS * BATCH))
