@@ -96,6 +96,7 @@ class MemoryCgroup:
                 (mount.directory / "cgroup.subtree_control").write_text("+memory")
             except OSError:  # processes in our own cgroup (v2's no-internal-processes rule), or no right
                 return None
+        _remove_stale(mount.directory)
         directory = mount.directory / name
         try:
             directory.mkdir(exist_ok=True)
@@ -166,8 +167,28 @@ class MemoryCgroup:
 
 
 _created = itertools.count()
+PREFIX = "raygym-sandbox-"
+
+
+def _remove_stale(parent: Path) -> None:
+    """Remove the empty cgroups that sandboxes of dead processes left (a killed Ray actor never closes)."""
+    for directory in parent.glob(PREFIX + "*"):
+        fields = directory.name[len(PREFIX):].split("-")
+        if len(fields) != 3 or not fields[1].isdigit() or int(fields[1]) == os.getpid():
+            continue
+        try:
+            os.kill(int(fields[1]), 0)
+            continue  # its process lives
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            directory.rmdir()
+        except OSError:  # still holds processes
+            pass
 
 
 def cgroup_name(uid: int) -> str:
     """A name no other sandbox uses: its uid, this process, a counter."""
-    return f"raygym-sandbox-{uid}-{os.getpid()}-{next(_created)}"
+    return f"{PREFIX}{uid}-{os.getpid()}-{next(_created)}"

@@ -61,9 +61,10 @@ class Child:
 
     def __init__(self, argv: Sequence[str], *, uid: int | None, stdin: bytes, output_cap: int,
                  pass_fds: Sequence[int] = (), cgroup: MemoryCgroup | None = None) -> None:
-        argv = list(argv)
-        if uid is not None:  # setpriv rather than Popen(user=), which rules out vfork: a big host forks slowly
-            argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *argv]
+        # setpriv: killed when the thread that started it dies (a host that crashes mid-run takes the run
+        # with it), and the uid switch (rather than Popen(user=), which rules out vfork: a big host forks slowly).
+        ids = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if uid is not None else []
+        argv = ["setpriv", *ids, "--pdeathsig=KILL", "--", *argv]
         if cgroup is not None:  # held until it is in the cgroup (a first line on stdin), so nothing escapes it
             argv = ["/bin/sh", "-c", 'read -r _ && exec "$@"', "sandbox", *argv]
         self.started = time.monotonic()

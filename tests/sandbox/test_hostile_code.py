@@ -12,9 +12,12 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from raygym.sandbox import Limits, Sandbox, run_tests
 from raygym.sandbox.process import processes_of
@@ -200,3 +203,41 @@ def test_output_flood_is_capped(box):
     assert report.passed == 0
     result = box.run(flood)
     assert len(result.stdout) <= FAST.output_bytes and result.exit_code != 0  # killed by a limit, output cut
+
+
+HOST = """
+import sys
+from raygym.sandbox import Limits, Sandbox
+box = Sandbox(Limits(cpu_seconds=5, wall_seconds=120.0), backend=sys.argv[1])
+print(box.uid, box.cgroup.directory if box.cgroup else "-", flush=True)
+box.run("import time\\ntime.sleep(120)")
+"""
+
+
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_host_that_dies_mid_run_takes_the_run_with_it(backend):
+    if os.geteuid() != 0:
+        reason = "needs root: the run's processes are found by their sandbox uid"
+        print(reason)
+        pytest.skip(reason)
+    repo = Path(__file__).resolve().parents[2]
+    host = subprocess.Popen([sys.executable, "-c", HOST, backend], stdout=subprocess.PIPE, text=True, cwd=repo)
+    try:
+        uid_text, cgroup = host.stdout.readline().split()
+        uid = int(uid_text)
+        assert wait_for(lambda: processes_of(uid), 30), "the run never started"
+    finally:
+        host.kill()  # SIGKILL: the host has no chance to clean up
+        host.wait()
+    assert wait_for(lambda: not processes_of(uid), 10), processes_of(uid)  # the sleeper died with its host
+    if cgroup != "-":
+        with Sandbox(FAST, backend=backend):  # the next sandbox removes the cgroup the dead host left
+            assert not Path(cgroup).exists()
