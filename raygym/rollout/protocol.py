@@ -33,6 +33,8 @@ class Endpoint(str, enum.Enum):
     MODEL_INFO = "/model_info"
     GET_MODEL_INFO = "/get_model_info"  # deprecated in SGLang for /model_info; still served
     SERVER_INFO = "/server_info"
+    GET_SERVER_INFO = "/get_server_info"  # deprecated in SGLang for /server_info; still served
+    PING = "/ping"
     FLUSH_CACHE = "/flush_cache"
     PAUSE_GENERATION = "/pause_generation"
     CONTINUE_GENERATION = "/continue_generation"
@@ -88,6 +90,8 @@ SGLANG_ROUTE_METHODS: dict[Endpoint, frozenset[str]] = {
     Endpoint.MODEL_INFO: _GET,
     Endpoint.GET_MODEL_INFO: _GET,
     Endpoint.SERVER_INFO: _GET,
+    Endpoint.GET_SERVER_INFO: _GET,
+    Endpoint.PING: _GET,
     Endpoint.FLUSH_CACHE: _GET | _POST,
     Endpoint.PAUSE_GENERATION: _POST,
     Endpoint.CONTINUE_GENERATION: _POST,

@@ -49,7 +49,15 @@ from raygym.rollout.generation import (
     SamplingParams,
 )
 from raygym.rollout.protocol import STATE_CHANGING, Endpoint
-from raygym.rollout.server_http import BadRequest, guard_middleware, handles_errors, parse, register_routes
+from raygym.rollout.server_http import (
+    BadRequest,
+    guard_middleware,
+    handles_errors,
+    parse,
+    ping,
+    register_routes,
+    server_info_body,
+)
 from raygym.rollout.server_lora import LoraRoutes
 from raygym.rollout.server_weights import WeightRoutes
 from raygym.weightsync.codec import checksum as tensor_checksum
@@ -202,6 +210,7 @@ class InferenceServer:
             Endpoint.GENERATE: self.generate, Endpoint.HEALTH: self.health,
             Endpoint.HEALTH_GENERATE: self.health_generate, Endpoint.MODEL_INFO: self.model_info,
             Endpoint.GET_MODEL_INFO: self.model_info, Endpoint.GET_WEIGHT_VERSION: self.get_weight_version,
+            Endpoint.SERVER_INFO: self.server_info, Endpoint.GET_SERVER_INFO: self.server_info, Endpoint.PING: ping,
             Endpoint.WEIGHT_VERSION: self.get_weight_version, Endpoint.RAYGYM_STATS: self.stats,
             Endpoint.FLUSH_CACHE: self.flush_cache, Endpoint.PAUSE_GENERATION: self.pause_generation,
             Endpoint.CONTINUE_GENERATION: self.continue_generation, Endpoint.ABORT_REQUEST: self.abort_request,
@@ -399,6 +408,14 @@ class InferenceServer:
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.weight_version})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """SGLang's ``/server_info``: the launch settings under ``ServerArgs``' names, and live state per data-
+        parallel rank (``internal_states``)."""
+        return web.json_response(server_info_body(
+            model_path=self.model_path, context_length=self.limits.context_length,
+            max_running_requests=self.engine.max_running_requests, device=str(self._device),
+            weight_version=self.weight_version, running=self.engine.pending()))
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({

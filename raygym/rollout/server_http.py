@@ -131,3 +131,24 @@ def guard_middleware(api_key: str | None, state_changing: frozenset[str]) -> Any
             return error_response(f"{request.path}: method {request.method} not allowed; use {allowed}", 405)
 
     return guard
+
+
+async def ping(request: web.Request) -> web.Response:
+    """SGLang's ``/ping`` (SageMaker's health check): 200, no body."""
+    return web.Response(status=200)
+
+
+def server_info_body(*, model_path: str, context_length: int, max_running_requests: int, device: str,
+                     weight_version: str, running: int) -> dict[str, Any]:
+    """``/server_info`` as SGLang shapes it, for what raygym's servers know: ``ServerArgs`` field names
+    (``model_path``, ``context_length``, ``max_running_requests``, ``tp_size``, ``dp_size``, ``device``), the
+    version, and ``internal_states`` (one entry per data-parallel rank)."""
+    from raygym import __version__
+
+    return {
+        "model_path": model_path, "tokenizer_path": model_path, "served_model_name": model_path,
+        "context_length": context_length, "max_running_requests": max_running_requests,
+        "max_total_num_tokens": context_length * max_running_requests, "tp_size": 1, "dp_size": 1, "device": device,
+        "version": f"raygym-{__version__}", "weight_version": weight_version,
+        "internal_states": [{"num_running_reqs": running, "weight_version": weight_version}],
+    }

@@ -60,9 +60,11 @@ from raygym.rollout.server_http import (
     guard_middleware,
     handles_errors,
     parse,
+    ping,
     read_json,
     register_routes,
     result_response,
+    server_info_body,
 )
 
 log = logging.getLogger("raygym.rollout.vllm_server")
@@ -106,6 +108,7 @@ class VllmAdapter:
             Endpoint.GENERATE: self.generate, Endpoint.HEALTH: self.health,
             Endpoint.HEALTH_GENERATE: self.health_generate, Endpoint.MODEL_INFO: self.model_info,
             Endpoint.GET_MODEL_INFO: self.model_info, Endpoint.GET_WEIGHT_VERSION: self.get_weight_version,
+            Endpoint.SERVER_INFO: self.server_info, Endpoint.GET_SERVER_INFO: self.server_info, Endpoint.PING: ping,
             Endpoint.WEIGHT_VERSION: self.get_weight_version, Endpoint.RAYGYM_STATS: self.stats,
             Endpoint.FLUSH_CACHE: self.flush_cache, Endpoint.PAUSE_GENERATION: self.pause_generation,
             Endpoint.CONTINUE_GENERATION: self.continue_generation, Endpoint.ABORT_REQUEST: self.abort_request,
@@ -232,6 +235,15 @@ class VllmAdapter:
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": self.weight_version})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """SGLang's ``/server_info`` for the vLLM engine behind this adapter."""
+        model_len = int(self.llm.model_config.max_model_len)
+        running = sum(len(ids) for ids in self._rids.values())
+        return web.json_response(server_info_body(
+            model_path=self.model_path, context_length=model_len,
+            max_running_requests=int(self.llm.vllm_config.scheduler_config.max_num_seqs), device=self.device,
+            weight_version=self.weight_version, running=running))
 
     async def stats(self, request: web.Request) -> web.Response:
         """``{"running": requests in flight, "paused", "sleeping", "released", "weight_version"}``."""

@@ -15,7 +15,7 @@ from raygym.rollout.server import InferenceServer
 from raygym.rollout.vllm_server import VllmAdapter
 
 # Endpoints raygym's clients send to SGLang but neither of raygym's servers serves.
-CLIENT_ONLY = {Endpoint.SERVER_INFO, Endpoint.WEIGHTS_CHECKER}
+CLIENT_ONLY = {Endpoint.WEIGHTS_CHECKER}
 
 
 def served(app: web.Application) -> dict[str, set[str]]:

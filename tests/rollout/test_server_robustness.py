@@ -317,3 +317,12 @@ def test_group_joins_are_validated_first_and_end_within_their_timeout(server):
     elapsed = time.monotonic() - start
     assert r.status_code == 400 and r.json()["success"] is False
     assert elapsed < 5 + 4, f"a 5 s join took {elapsed:.1f} s"
+
+
+def test_sglang_info_routes_answer_as_sglang_shapes_them(server):
+    for path in ("/server_info", "/get_server_info"):
+        info = httpx.get(f"{server}{path}", headers=AUTH, timeout=30).json()
+        assert info["context_length"] == CONTEXT and info["tp_size"] == 1 and info["max_running_requests"] > 0
+        assert info["internal_states"][0]["weight_version"] == info["weight_version"]
+    assert httpx.get(f"{server}/ping", timeout=30).status_code == 401  # SGLang exempts only /health* and /metrics
+    assert httpx.get(f"{server}/ping", headers=AUTH, timeout=30).status_code == 200

@@ -256,7 +256,8 @@ METHOD_PARITY = [
     ("POST", "/get_model_info", None), ("GET", "/get_weight_version", None), ("GET", "/weight_version", None),
     ("PUT", "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}),
     ("GET", "/generate", None), ("DELETE", "/generate", None), ("GET", "/pause_generation", None),
-    ("GET", "/abort_request", None), ("GET", "/update_weights_from_disk", None),
+    ("GET", "/abort_request", None), ("GET", "/update_weights_from_disk", None), ("GET", "/server_info", None),
+    ("GET", "/get_server_info", None), ("POST", "/server_info", None), ("GET", "/ping", None), ("POST", "/ping", None),
 ]
 
 
