@@ -539,4 +539,7 @@ class RolloutManager:
         finally:
             if self.stream is None:  # a fully asynchronous run's stream keeps the health monitor on
                 self.pool.monitor.deactivate()
+            # eval samples are not the next step's generation (a fully asynchronous stream keeps adding those)
+            eval_ids = {id(s) for group in self._eval_samples.values() for s in group}
+            self._seen = [s for s in self._seen if id(s) not in eval_ids]
         return out
