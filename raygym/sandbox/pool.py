@@ -81,10 +81,16 @@ class SandboxPool:
         return report
 
     def shutdown(self) -> None:
-        """Kill the actors (their sandboxes' processes are already gone after every run)."""
+        """Close the sandboxes (their uids and cgroups; their processes are gone after every run), then
+        kill the actors. A sandbox an actor could not close leaves an empty cgroup, which the next
+        sandbox on the machine removes."""
         import ray
 
         with self._lock:
+            try:
+                ray.get([actor.close.remote() for actor in self._actors], timeout=30)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass
             for actor in self._actors:
                 ray.kill(actor, no_restart=True)
             self._actors, self._free = [], queue.Queue()
