@@ -16,7 +16,8 @@ process) and refuses to run when neither does, unless the caller opted into the 
 - ``weak``, only with ``allow_weak_isolation=True``: no namespaces at all, for machines that allow
   none (some containers). The program runs as its own uid (when the host runs as root) under the
   same limits and seccomp filter, without sockets; it can read whatever that uid can read on the
-  host. The name says it: use it only for code you would run anyway.
+  host (and, run by an ordinary user, signal that user's other processes). The name says it: use it
+  only for code you would run anyway.
 
 Every backend runs under resource limits set by ``prlimit`` (CPU seconds, address space, file size,
 processes, open files, no core files, no POSIX message queues). The program comes on stdin, so
