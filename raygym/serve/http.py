@@ -30,7 +30,7 @@ def key_digest(key: str) -> str:
     """Hex SHA-256 of an API key: what the serving processes hold instead of the key.
 
     >>> key_digest("k")[:12]
-    '8254c329a92e'
+    '8254c329a928'
     """
     return hashlib.sha256(key.encode()).hexdigest()
 
