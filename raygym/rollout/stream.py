@@ -11,16 +11,31 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from raygym.data import PromptDataset, PromptRow
 from raygym.errors import RaygymError
 from raygym.rollout.async_buffer import AsyncBuffer, PendingPrompt
+from raygym.rollout.filters import GroupFilter
+from raygym.rollout.health import EnginePool
 from raygym.types import Sample
 
-if TYPE_CHECKING:
-    from raygym.rollout.manager import RolloutManager
-
 SEED_SCOPE = ("async",)  # sampling seeds of a fully asynchronous run: (run seed, "async", key, sample)
+
+
+class GroupProducer(Protocol):
+    """What the stream uses of the rollout manager."""
+
+    dataset: PromptDataset
+    group_filter: GroupFilter | None
+    pool: EnginePool
+    weight_version: int  # the policy version the engines serve
+    continued: int  # continuation requests sent (partial rollouts)
+
+    def sampling_params(self, evaluation: bool = False) -> dict[str, Any]: ...
+
+    async def generate_group(self, row: PromptRow, params: dict[str, Any], n: int | None = None, *,
+                             group_key: int | None = None, scope: tuple[Any, ...] | None = None) -> list[Sample]: ...
 
 
 class AsyncStream:
@@ -29,7 +44,7 @@ class AsyncStream:
     ``pending``: the keys a checkpoint kept (started and not trained); they are generated first.
     """
 
-    def __init__(self, manager: RolloutManager, *, batch_size: int, max_staleness: int, policy: str,
+    def __init__(self, manager: GroupProducer, *, batch_size: int, max_staleness: int, policy: str,
                  first_step: int, pending: list[int]) -> None:
         self.manager = manager
         self.buffer: AsyncBuffer[list[Sample]] = AsyncBuffer(
