@@ -111,7 +111,8 @@ def _banner(cfg: TrainConfig, facts: RunFacts) -> list[str]:
     from raygym.trainer.actor import choose_backend
 
     local = not os.environ.get("RAY_ADDRESS")
-    return banner_lines(cfg, facts, trainer_backend=choose_backend(cfg.recipe.trainer_backend),
+    backend = cfg.recipe.check_trainer_backend() or choose_backend(cfg.recipe.trainer_backend)  # LoRA: torch
+    return banner_lines(cfg, facts, trainer_backend=backend,
                         engine_kind=choose_rollout_engine(cfg.recipe.rollout_engine),
                         logical_gpus=local and not torch.cuda.is_available())
 

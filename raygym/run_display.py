@@ -67,6 +67,11 @@ def banner_lines(cfg: TrainConfig, facts: RunFacts, *, trainer_backend: str, eng
                  f"checkpoints every {recipe.save_interval} and at the end -> {cfg.checkpoint_dir}")
     critic = f" + critic on {_plural(alloc.critic_gpus, 'GPU')}" if alloc.critic_gpus else ""
     lines.append(f"  trainer    {trainer_backend} on {_plural(alloc.actor_gpus, 'GPU')}{critic}")
+    if recipe.lora_rank > 0:
+        names = recipe.lora_target_modules.split(",")
+        targets = names[0] if len(names) == 1 else f"{len(names)} target modules"
+        lines.append(f"  lora       rank {recipe.lora_rank}, alpha {recipe.lora_alpha}, {targets}; only adapters "
+                     "train and sync")
     layout = "sharing the trainer's GPUs" if alloc.colocate else "on their own GPUs"
     lines.append(f"  engines    {alloc.rollout_engines} {engine_kind} engine{'' if alloc.rollout_engines == 1 else 's'} x "
                  f"{_plural(alloc.rollout_num_gpus_per_engine, 'GPU')}, {layout}")
