@@ -26,12 +26,14 @@ BUILTIN_PREFIX = "builtin:"
 TINY_MODEL = "builtin:tiny-qwen3"
 NEXT_DIGIT_TASK = "builtin:next-digit"
 NEXT_DIGIT_ROWS = 1024  # rows of a materialised builtin dataset
-# Next-digit rows (one-token answers) and, one row in COPY_EVERY, a copy row (a 24-56 character answer): once
-# a model learns it, response lengths have a heavy tail, the case asynchronous training is for.
+# Repeat rows, "rep:7x3=" -> "777": one row in LONG_EVERY asks for LONG_REPEATS copies ("long:7x45="), the
+# others for SHORT_REPEATS, so a model that learns the task keeps a heavy tail of response lengths (the case
+# asynchronous training is for). The verb says which kind a row is: with the count alone to go by, the tiny
+# model did not tell the kinds apart within 100 steps (it stopped early, or ran on, everywhere).
 LONG_TAIL_TASK = "builtin:long-tail"
-COPY_EVERY = 8
-COPY_CHARS = string.digits + string.ascii_lowercase
-COPY_LENGTHS = (24, 56)
+LONG_EVERY = 8
+SHORT_REPEATS = (1, 3)
+LONG_REPEATS = (32, 56)
 # The builtin datasets and the built-in reward (rm_type) that scores each.
 BUILTIN_TASKS = {NEXT_DIGIT_TASK: "next_digit", LONG_TAIL_TASK: "long_tail"}
 
@@ -150,47 +152,45 @@ def next_digit_reward(response: str, label: str) -> float:
 
 
 def long_tail_rows(n: int, seed: int) -> list[dict[str, Any]]:
-    """Rows of the ``long-tail`` task: ``n // COPY_EVERY`` copy rows (prompt ``"copy:k3x...="``, label the
-    24-56 characters between ``:`` and ``=``) at seeded positions, next-digit rows elsewhere.
+    """Rows of the ``long-tail`` task: prompt ``"rep:<d>x<k>="`` with ``k`` in ``SHORT_REPEATS`` (1-3), or on
+    ``n // LONG_EVERY`` rows at seeded positions ``"long:<d>x<k>="`` with ``k`` in ``LONG_REPEATS`` (32-56);
+    the label is the digit ``d`` ``k`` times.
 
-    >>> rows = long_tail_rows(16, seed=0)
-    >>> sum(r["prompt"].startswith("copy:") for r in rows), all(r["prompt"] == f"copy:{r['label']}=" for r in rows
-    ...                                                           if r["prompt"].startswith("copy:"))
-    (2, True)
+    >>> long_tail_rows(16, seed=0)[:2]
+    [{'prompt': 'rep:6x1=', 'label': '6'}, {'prompt': 'rep:4x3=', 'label': '444'}]
+    >>> [(r["prompt"], len(r["label"])) for r in long_tail_rows(16, seed=0) if r["prompt"].startswith("long:")]
+    [('long:1x53=', 53), ('long:5x45=', 45)]
     """
     rng = random.Random(seed)
-    copies = set(rng.sample(range(n), n // COPY_EVERY))
+    long_rows = set(rng.sample(range(n), n // LONG_EVERY))
     rows = []
     for i in range(n):
-        if i in copies:
-            text = "".join(rng.choice(COPY_CHARS) for _ in range(rng.randint(*COPY_LENGTHS)))
-            rows.append({"prompt": f"copy:{text}=", "label": text})
-        else:
-            d = rng.randrange(10)
-            rows.append({"prompt": f"next:{d}=", "label": str((d + 1) % 10)})
+        digit = rng.randrange(10)
+        verb, repeats = ("long", LONG_REPEATS) if i in long_rows else ("rep", SHORT_REPEATS)
+        count = rng.randint(*repeats)
+        rows.append({"prompt": f"{verb}:{digit}x{count}=", "label": str(digit) * count})
     return rows
 
 
-def copy_reward(response: str, label: str) -> float:
-    """0.75 times the share of the label the stripped response starts with, 0.25 more for all of it and
-    nothing else.
+def long_tail_reward(response: str, label: str) -> float:
+    """The ``long-tail`` task's reward, shaped so that a random model gets signal on every row: for the
+    stripped response, 0.25 x its leading run of digits and 0.25 x its leading run of the label's digit (each
+    as a share of the label, capped at 1), plus 0.5 x its length score (1 at the label's length, falling
+    linearly to 0 at no length or twice the length). Exactly right is 1.0.
 
-    >>> copy_reward("abcd", "abcd"), copy_reward("abxx", "abcd"), copy_reward("abcde", "abcd"), copy_reward("", "abcd")
-    (1.0, 0.375, 0.75, 0.0)
+    >>> long_tail_reward("777", "777"), long_tail_reward(" 7 ", "7"), long_tail_reward("7777", "777")
+    (1.0, 1.0, 0.8333333333333334)
+    >>> long_tail_reward("3", "7"), long_tail_reward("x", "7"), long_tail_reward("77", "7"), long_tail_reward("", "77")
+    (0.75, 0.5, 0.5, 0.0)
+    >>> long_tail_reward("4" * 30, "4" * 40), long_tail_reward("4" * 20 + "x" * 20, "4" * 40)
+    (0.75, 0.75)
     """
     text = response.strip()
-    prefix = len(os.path.commonprefix([text, label]))
-    return 0.75 * prefix / max(len(label), 1) + (0.25 if text == label else 0.0)
-
-
-def long_tail_reward(response: str, label: str) -> float:
-    """The ``long-tail`` task's reward: a one-character label is a next-digit row
-    (:func:`next_digit_reward`), a longer one a copy row (:func:`copy_reward`).
-
-    >>> long_tail_reward("8", "8"), long_tail_reward("k3x", "k3xq")
-    (1.0, 0.5625)
-    """
-    return next_digit_reward(response, label) if len(label) == 1 else copy_reward(response, label)
+    want = max(len(label), 1)
+    digits = len(text) - len(text.lstrip(string.digits))
+    run = len(text) - len(text.lstrip(label[:1])) if label else 0
+    length_score = max(0.0, 1.0 - abs(len(text) - want) / want)
+    return 0.25 * min(digits, want) / want + 0.25 * min(run, want) / want + 0.5 * length_score
 
 
 TASK_ROWS = {NEXT_DIGIT_TASK: next_digit_rows, LONG_TAIL_TASK: long_tail_rows}

@@ -1,4 +1,4 @@
-"""The builtin ``long-tail`` task: its rows (seeded, one copy row in eight), its reward (``long_tail``), its
+"""The builtin ``long-tail`` task: its rows (seeded, one long row in eight), its reward (``long_tail``), its
 data path (``builtin:long-tail`` through the tokenizer and the dataset loader) and the start-up checks that
 keep each builtin task's reward on its own data."""
 
@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import string
 from pathlib import Path
 
 import pytest
 
 from raygym import DatasetConfig, ModelConfig, TrainConfig
 from raygym.builtin import (
-    COPY_EVERY,
+    LONG_EVERY,
+    LONG_REPEATS,
     LONG_TAIL_TASK,
     NEXT_DIGIT_ROWS,
+    SHORT_REPEATS,
     TINY_ARCH,
     build_tokenizer,
     long_tail_reward,
@@ -29,44 +30,57 @@ from raygym.presets import tiny
 from raygym.rewards import RewardModel, default_rm_type
 from raygym.types import Sample
 
-COPY_ALPHABET = set(string.digits + string.ascii_lowercase)
+
+def is_long(row: dict) -> bool:
+    return row["prompt"].startswith("long:")
 
 
-def is_copy(row: dict) -> bool:
-    return row["prompt"].startswith("copy:")
-
-
-def test_rows_are_seeded_one_in_eight_copy_rows_and_well_formed():
+def test_rows_are_seeded_one_in_eight_long_rows_and_well_formed():
     rows = long_tail_rows(NEXT_DIGIT_ROWS, seed=0)
     assert rows == long_tail_rows(NEXT_DIGIT_ROWS, seed=0) and rows != long_tail_rows(NEXT_DIGIT_ROWS, seed=1)
-    copies = [r for r in rows if is_copy(r)]
-    assert len(rows) == 1024 and len(copies) == 1024 // COPY_EVERY == 128
-    for row in copies:
-        assert row["prompt"] == f"copy:{row['label']}=" and 24 <= len(row["label"]) <= 56
-        assert set(row["label"]) <= COPY_ALPHABET
-    lengths = [len(r["label"]) for r in copies]
-    assert min(lengths) < 30 and max(lengths) > 50  # the lengths spread over the range
+    long_rows = [r for r in rows if is_long(r)]
+    assert len(rows) == 1024 and len(long_rows) == 1024 // LONG_EVERY == 128
     for row in rows:
-        if not is_copy(row):
-            digit = int(row["prompt"].removeprefix("next:").removesuffix("="))
-            assert row["label"] == str((digit + 1) % 10)
-    # the copy rows are spread through the data, not bunched at one end
-    positions = [i for i, r in enumerate(rows) if is_copy(r)]
+        verb, rest = row["prompt"].split(":")
+        digit, count = rest.removesuffix("=").split("x")
+        assert row["label"] == digit * int(count) and len(digit) == 1 and digit.isdigit()
+        low, high = LONG_REPEATS if verb == "long" else SHORT_REPEATS
+        assert verb in ("rep", "long") and low <= int(count) <= high
+    assert {len(r["label"]) for r in rows if not is_long(r)} == {1, 2, 3}
+    lengths = [len(r["label"]) for r in long_rows]
+    assert min(lengths) < 36 and max(lengths) > 52  # the long counts spread over 32-56
+    assert {r["label"][0] for r in long_rows} == set("0123456789")
+    # the long rows are spread through the data, not bunched at one end
+    positions = [i for i, r in enumerate(rows) if is_long(r)]
     assert positions[0] < 64 and positions[-1] > 960
 
 
 @pytest.mark.parametrize(
     "response, label, reward",
-    [("8", "8", 1.0), (" 8 ", "8", 1.0), ("8x", "8", 0.75), ("3", "8", 0.5), ("x", "8", 0.0),  # next rows
-     ("abcd1234", "abcd1234", 1.0),            # exact copy: 0.75 + 0.25
-     (" abcd1234\n", "abcd1234", 1.0),         # stripped
-     ("abcd", "abcd1234", 0.375),              # half the label: 0.75 * 4/8
-     ("abcd1234x", "abcd1234", 0.75),          # all of it and more: no exact bonus
-     ("abxd1234", "abcd1234", 0.1875),         # the prefix stops at the first difference: 0.75 * 2/8
-     ("", "abcd1234", 0.0), ("zbcd1234", "abcd1234", 0.0)],
+    [("7", "7", 1.0), (" 777\n", "777", 1.0), ("4" * 45, "4" * 45, 1.0),  # exactly right, stripped
+     ("3", "7", 0.75),                          # a digit, the right length, the wrong digit: 0.25 + 0.5
+     ("x", "7", 0.5),                           # only the length: 0.5
+     ("77", "7", 0.5),                          # twice the length: no length score
+     ("7777", "777", 0.25 + 0.25 + 0.5 * 2 / 3),  # one too many: the runs are capped at the label
+     ("77", "777", 0.25 * 2 / 3 * 2 + 0.5 * 2 / 3),
+     ("4" * 30, "4" * 40, 0.75),                # three quarters of everything
+     ("44x4", "4444", 0.25 * 2 / 4 * 2 + 0.5),  # the runs stop at the first other character
+     ("4" * 64, "4" * 40, 0.5 + 0.5 * (1 - 24 / 40)),  # ran on to the cap
+     ("", "444", 0.0), (" ", "4", 0.0)],
 )  # fmt: skip
 def test_reward_by_hand(response, label, reward):
     assert long_tail_reward(response, label) == pytest.approx(reward)
+
+
+def test_reward_is_one_only_for_the_answer_and_prefers_a_long_run_on_long_rows():
+    label = "5" * 44
+    near = ["5" * 43, "5" * 45, "5" * 43 + "6", "6" + "5" * 43, "5" * 22 + " " + "5" * 21]
+    assert long_tail_reward(label, label) == 1.0 and all(long_tail_reward(r, label) < 1.0 for r in near)
+    # what keeps the tail: on a long row a longer run of the digit always scores more, up to the label
+    scores = [long_tail_reward("5" * k, label) for k in range(1, 45)]
+    assert scores == sorted(scores) and len(set(scores)) == len(scores)
+    # and on a short row, stopping scores more than running on
+    assert long_tail_reward("55", "55") > long_tail_reward("555", "55") > long_tail_reward("5" * 10, "55")
 
 
 def test_rm_type_long_tail_scores_samples_and_is_the_default_of_the_task():
@@ -74,9 +88,9 @@ def test_rm_type_long_tail_scores_samples_and_is_the_default_of_the_task():
         return Sample(prompt="p", prompt_tokens=[1], group_index=0, sample_index=0, response_text=response,
                       label=label)
 
-    samples = [sample("9", "9"), sample("k3xq", "k3xq7"), sample("nope", "k3xq7")]
+    samples = [sample("9", "9"), sample("22", "2222"), sample("nope", "2222")]
     asyncio.run(RewardModel("long_tail").score(samples))
-    assert [s.reward for s in samples] == pytest.approx([1.0, 0.6, 0.0])
+    assert [s.reward for s in samples] == pytest.approx([1.0, 0.5, 0.5])
     assert default_rm_type(tiny().replace(rm_type=None), LONG_TAIL_TASK) == "long_tail"
 
 
@@ -87,7 +101,7 @@ def test_materialised_rows_load_and_fit_the_tiny_model(tmp_path):
     tok = build_tokenizer()
     ds = PromptDataset.from_url(LONG_TAIL_TASK, tok, cache_dir=str(tmp_path / "cache"), shuffle=False)
     rows = ds.next_batch(len(ds))
-    assert len(rows) == 1024 and sum(r.prompt.startswith("copy:") for r in rows) == 128
+    assert len(rows) == 1024 and sum(r.prompt.startswith("long:") for r in rows) == 128
     longest = max(rows, key=lambda r: len(r.prompt))
     ids = tok.encode(longest.prompt)
     assert tok.decode(ids) == longest.prompt  # every character has a token of its own
