@@ -3,6 +3,7 @@
     raygym data prepare hf:openai/gsm8k --hf-config main --out data/gsm8k \\
         --input-key question --label-key answer --eval-size 500
     raygym data prepare rows.csv --out data/rows --prompt-template "{q}\\nanswer:" --eval-size 0.1
+    raygym data prepare reasoning-gym:letter_counting --size 2048 --seed 0 --out data/letters --eval-size 64
 """
 
 from __future__ import annotations
@@ -40,12 +41,15 @@ def data() -> None:
               type=click.Choice(["auto", "jsonl", "json", "csv", "parquet"]), help="Source file format.")
 @click.option("--hf-config", default=None, help="hf: sources: the dataset configuration (e.g. 'main').")
 @click.option("--split", default="train", show_default=True, help="hf: and save_to_disk sources: the split.")
+@click.option("--size", type=int, default=None,
+              help="reasoning-gym:<task> sources: how many items to generate (with --seed).")
 def prepare(source: str, out_dir: str, input_key: str, label_key: str, metadata_keys: str,
             prompt_template: str | None, label_regex: str | None, system_prompt: str | None, as_messages: bool,
             chat_template: str | None, tokenizer: str | None, max_prompt_tokens: int | None,
             max_prompt_chars: int | None, eval_size: float, max_rows: int | None, seed: int, no_shuffle: bool,
-            file_format: str, hf_config: str | None, split: str) -> None:
-    """Turn SOURCE (jsonl/json/csv/parquet file or URL, a save_to_disk directory, or hf:NAME) into
+            file_format: str, hf_config: str | None, split: str, size: int | None) -> None:
+    """Turn SOURCE (jsonl/json/csv/parquet file or URL, a save_to_disk directory, hf:NAME, or
+    reasoning-gym:TASK[?config] generated offline) into
     raygym's prompt files {"prompt", "label", "metadata"}."""
     options = PrepareOptions(
         source=source, out_dir=out_dir, input_key=input_key, label_key=label_key or None,
@@ -54,7 +58,7 @@ def prepare(source: str, out_dir: str, input_key: str, label_key: str, metadata_
         as_messages=as_messages, chat_template=chat_template, tokenizer=tokenizer,
         max_prompt_tokens=max_prompt_tokens, max_prompt_chars=max_prompt_chars, eval_size=eval_size,
         max_rows=max_rows, seed=seed, shuffle=not no_shuffle, file_format=file_format, hf_config=hf_config,
-        split=split,
+        split=split, size=size,
     )
     report = prepare_dataset(options)
     for line in report.summary_lines():

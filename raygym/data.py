@@ -118,12 +118,26 @@ def read_rows(url: str, fmt: str | None = None) -> list[dict[str, Any]]:
 
 
 def resolve_data_url(url: str, cache_dir: str | None = None, seed: int = 0) -> str:
-    """Map ``builtin:`` dataset URIs to a materialised local file; other URLs pass through."""
+    """Map generated datasets to a materialised local file: ``builtin:`` tasks, ``reasoning-gym:<task>``
+    (:mod:`raygym.envs.reasoning_gym_tasks`) and a verifiers environment's dataset (``verifiers:<env>``,
+    :mod:`raygym.envs.verifiers_env`); other URLs pass through."""
     from raygym.builtin import is_builtin, materialize_dataset
+    from raygym.envs.reasoning_gym_tasks import is_task_uri, materialize_task
+    from raygym.envs.specs import parse_env_spec
 
+    directory = cache_dir or str(Path(tempfile.gettempdir()) / "raygym-data")
     if is_builtin(url):
-        directory = cache_dir or str(Path(tempfile.gettempdir()) / "raygym-data")
         return materialize_dataset(url, directory, seed=seed)
+    if is_task_uri(url):
+        return materialize_task(url, directory)
+    spec = parse_env_spec(url, "prompt_data")
+    if spec is not None and spec.scheme == "verifiers":
+        from raygym.envs.verifiers_env import materialize_environment_data
+
+        return materialize_environment_data(spec, url, directory)
+    if spec is not None:
+        raise ConfigError(f"prompt_data={url!r}: an OpenEnv environment is no dataset; pass it as --rollout-env "
+                          "and give --prompt-data rows (a prompt and, e.g., metadata.seed per episode)")
     return url
 
 

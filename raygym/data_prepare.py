@@ -1,8 +1,10 @@
 """``raygym data prepare``: turn a raw dataset into the prompt files raygym trains on.
 
 Sources: a local path or fsspec URL ending in ``.jsonl``/``.json``/``.csv``/``.parquet``, a
-directory written by ``datasets.Dataset.save_to_disk``, or ``hf:NAME`` (``datasets.load_dataset``;
-needs the Hugging Face hub to be reachable, or its local cache).
+directory written by ``datasets.Dataset.save_to_disk``, ``hf:NAME`` (``datasets.load_dataset``;
+needs the Hugging Face hub to be reachable, or its local cache), or ``reasoning-gym:<task>[?config]``
+(``size`` items generated with ``seed``, nothing downloaded; each row's metadata carries what the task's scorer
+reads, ``rm_type="reasoning_gym"``; see :mod:`raygym.envs.reasoning_gym_tasks`).
 
 Output (the keys :class:`raygym.DatasetConfig` reads by default): ``train.jsonl`` and, with a
 held-out split, ``eval.jsonl``, one object per line ``{"prompt", "label", "metadata"}``, plus
@@ -67,6 +69,7 @@ class PrepareOptions:
     file_format: str = "auto"  # auto | jsonl | json | csv | parquet
     hf_config: str | None = None  # hf: sources: the dataset's configuration ("main" for gsm8k)
     split: str = "train"  # hf: and save_to_disk sources: which split
+    size: int | None = None  # reasoning-gym: sources: items to generate (default: the URI's size, else 1024)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad option."""
@@ -85,7 +88,9 @@ class PrepareOptions:
             raise ConfigError(
                 f"eval_size={size!r}: a fraction in (0, 1) of the rows, or a whole count >= 1; 0 = no eval split"
             )
-        for name in ("max_prompt_tokens", "max_prompt_chars", "max_rows"):
+        if self.size is not None and not self.source.startswith("reasoning-gym:"):
+            raise ConfigError(f"size={self.size}: only a reasoning-gym:<task> source is generated; drop --size")
+        for name in ("max_prompt_tokens", "max_prompt_chars", "max_rows", "size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name}={value!r}: must be >= 1 (or unset)")
@@ -270,9 +275,28 @@ def _read_saved_dataset(path: str, split: str) -> list[dict[str, Any]]:
     return [dict(row) for row in loaded]
 
 
+def _read_reasoning_gym(options: PrepareOptions) -> list[dict[str, Any]]:
+    """A reasoning-gym task's items: columns ``prompt`` (the question), ``label`` (the answer) and
+    ``reasoning_gym`` (what the scorer reads; always copied into the metadata)."""
+    import dataclasses
+    from urllib.parse import parse_qs, urlsplit
+
+    from raygym.envs.reasoning_gym_tasks import METADATA_KEY, parse_task, task_rows
+
+    spec = parse_task(options.source, "source")
+    seeded = "seed" in parse_qs(urlsplit(options.source.split(":", 1)[1]).query)
+    spec = dataclasses.replace(spec, size=options.size or spec.size, seed=spec.seed if seeded else options.seed)
+    if METADATA_KEY not in options.metadata_keys:
+        options.metadata_keys.append(METADATA_KEY)
+    return [{"prompt": row["prompt"], "label": row["label"], METADATA_KEY: row["metadata"][METADATA_KEY]}
+            for row in task_rows(spec, "source")]
+
+
 def read_source(options: PrepareOptions) -> list[dict[str, Any]]:
     """Every row of ``options.source`` as a dict."""
     source = options.source
+    if source.startswith("reasoning-gym:"):
+        return _read_reasoning_gym(options)
     if source.startswith(HF_PREFIX):
         name = source[len(HF_PREFIX):]
         if not name:

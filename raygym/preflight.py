@@ -40,9 +40,61 @@ def _check_dataset(url: str, cfg: TrainConfig, field_name: str) -> DataSummary:
         if url not in BUILTIN_TASKS:
             raise unknown_task(url, field_name)
         return DataSummary(url, NEXT_DIGIT_ROWS, True, ("prompt", "label"))
+    generated = _check_generated_dataset(url, cfg, field_name)
+    if generated is not None:
+        return generated
     ds = cfg.dataset
     return check_prompt_data(url, input_key=ds.input_key, label_key=ds.label_key, fmt=ds.format,
                              apply_chat_template=ds.apply_chat_template, field=field_name)
+
+
+def _check_generated_dataset(url: str, cfg: TrainConfig, field_name: str) -> DataSummary | None:
+    """``reasoning-gym:<task>`` and ``verifiers:<env>`` data: the package, the task or environment, its rows."""
+    from raygym.envs.reasoning_gym_tasks import check_task, is_task_uri
+    from raygym.envs.specs import parse_env_spec
+
+    columns = ("prompt", "label", "metadata")
+    if is_task_uri(url):
+        return DataSummary(url, check_task(url, field_name).size, True, columns)
+    spec = parse_env_spec(url, field_name)
+    if spec is None:
+        return None
+    if spec.scheme != "verifiers":
+        raise ConfigError(f"{field_name}={url!r}: an OpenEnv environment is no dataset; pass it as --rollout-env and "
+                          "give rows to start its episodes from")
+    from raygym.envs.verifiers_env import environment_rows, load_environment
+
+    rows = environment_rows(load_environment(spec, field_name), spec.split)
+    if not rows:
+        raise ConfigError(f"{field_name}={url!r}: the environment's {spec.split} dataset is empty")
+    if isinstance(rows[0]["prompt"], list) and not cfg.dataset.apply_chat_template:
+        raise ConfigError(f"{field_name}={url!r}: the environment's prompts are chat messages; pass "
+                          "--apply-chat-template (the model's chat template renders them)")
+    return DataSummary(url, len(rows), True, columns)
+
+
+def check_rollout_env(cfg: TrainConfig) -> None:
+    """``rollout_env`` loads: a verifiers environment is built, an OpenEnv target imported and classified, an
+    import path imported (no server is started here)."""
+    from raygym.callables import load_callable
+    from raygym.envs.specs import parse_env_spec
+
+    value = cfg.recipe.rollout_env
+    spec = parse_env_spec(value)
+    if spec is None:
+        load_callable(value, "rollout_env")
+    elif spec.scheme == "verifiers":
+        from raygym.envs.verifiers_env import load_environment
+
+        load_environment(spec)
+    else:
+        from raygym.envs.openenv_server import resolve_target
+
+        target = resolve_target(spec.target, spec.attr)
+        sessions = spec.options.get("sessions", 1)
+        if target.app is None and not target.concurrent and sessions > 1:
+            raise ConfigError(f"rollout_env={value!r}: sessions={sessions}, but {target.factory.__name__} does not "
+                              "declare SUPPORTS_CONCURRENT_SESSIONS; use servers=<n> for episodes in parallel")
 
 
 def check_rewards(cfg: TrainConfig, data: DataSummary) -> list[Any]:
@@ -51,6 +103,7 @@ def check_rewards(cfg: TrainConfig, data: DataSummary) -> list[Any]:
     require."""
     from raygym.builtin import BUILTIN_TASKS
     from raygym.config import RM_TYPES, TASK_RM_TYPES
+    from raygym.envs.reasoning_gym_tasks import check_rows_scorable, is_task_uri
     from raygym.reward_signatures import missing_inputs
     from raygym.rewards import default_rm_type, resolve_reward_functions, rm_type_choices
 
@@ -61,7 +114,7 @@ def check_rewards(cfg: TrainConfig, data: DataSummary) -> list[Any]:
     task_of_reward = {reward: task for task, reward in BUILTIN_TASKS.items()}
     task = task_of_reward.get(rm_type or "")
     if task is not None and not custom and prompt_data != task:
-        own = BUILTIN_TASKS.get(prompt_data)
+        own = BUILTIN_TASKS.get(prompt_data) or ("reasoning_gym" if is_task_uri(prompt_data) else None)
         others = ", ".join(repr(name) for name in RM_TYPES if name not in task_of_reward)
         raise ConfigError(
             f"rm_type={rm_type!r} scores the builtin {task.removeprefix('builtin:')} task"
@@ -77,6 +130,9 @@ def check_rewards(cfg: TrainConfig, data: DataSummary) -> list[Any]:
             "or --custom-rm-function pkg.module:function"
         )
     functions = resolve_reward_functions(rm_type, recipe.custom_rm_function, recipe.reward_functions)
+    local_file = is_local(prompt_data) and os.path.isfile(prompt_data.removeprefix("file://"))
+    if any(f.name == "reasoning_gym" for f in functions) and local_file:
+        check_rows_scorable(prompt_data)
     columns = [c for c in data.columns if c != cfg.dataset.input_key]
     for f in functions:
         missing = missing_inputs(f.fn, f.convention, columns)
@@ -124,6 +180,8 @@ def preflight(cfg: TrainConfig) -> RunFacts:
     evals = {name: _check_dataset(url, cfg, f"eval_prompt_data[{name!r}]")
              for name, url in eval_dataset_urls(cfg).items()}
     rewards = check_rewards(cfg, data)
+    if cfg.recipe.rollout_env is not None:
+        check_rollout_env(cfg)
     check_model_path(cfg.model.hf_checkpoint)
     check_writable(cfg.run_dir, "output_dir", "pass --output-dir with a directory you can write")
     if cfg.recipe.save:

@@ -3,7 +3,9 @@
 Built-ins (``rm_type``): ``math`` (final ``\\boxed{}`` answer, else the last number, compared after
 normalisation), ``math_verify`` (the ``math-verify`` package: LaTeX, sets, intervals, symbolic
 equality; ``pip install 'raygym[math]'``), ``gsm8k`` (label ``"... #### N"``; the response's ``#### N``
-or last number), ``exact`` (stripped string equality), ``next_digit`` and ``long_tail`` (the builtin tasks).
+or last number), ``exact`` (stripped string equality), ``next_digit`` and ``long_tail`` (the builtin tasks),
+``reasoning_gym`` (rows made from ``reasoning-gym:<task>``, scored by the task's own scorer; see
+:mod:`raygym.envs.reasoning_gym_tasks`).
 
 Custom reward functions (``custom_rm_function``: a callable or ``"pkg.mod:fn"``, sync or async) are
 called the way their signature says: raygym's ``fn(sample)``, ``fn(prompt, response, label,
@@ -172,6 +174,13 @@ def long_tail_reward(response: str, label: Any) -> float:
     return reward(response, str(label))
 
 
+def reasoning_gym_reward(response: str, label: Any, metadata: Any = None) -> float:
+    """A ``reasoning-gym`` task's own scorer (see :mod:`raygym.envs.reasoning_gym_tasks`)."""
+    from raygym.envs.reasoning_gym_tasks import reasoning_gym_reward as reward
+
+    return reward(response, label, metadata)
+
+
 def math_verify_reward(response: str, label: Any) -> float:
     """1.0 if the ``math-verify`` package finds the response's answer equal to the label (a GSM8K
     ``#### N`` label is read as N). Needs ``pip install 'raygym[math]'``.
@@ -197,14 +206,16 @@ def math_verify_reward(response: str, label: Any) -> float:
     return 1.0 if verify(gold, predicted, timeout_seconds=timeout) else 0.0
 
 
-BUILTIN_REWARDS: dict[str, Callable[[str, Any], float]] = {
+BUILTIN_REWARDS: dict[str, Callable[..., float]] = {
     "math": math_reward,
     "math_verify": math_verify_reward,
     "gsm8k": gsm8k_reward,
     "exact": exact_reward,
     "next_digit": next_digit_reward,
     "long_tail": long_tail_reward,
+    "reasoning_gym": reasoning_gym_reward,
 }
+METADATA_REWARDS = frozenset({"reasoning_gym"})  # built-ins that also read the row's metadata
 assert tuple(BUILTIN_REWARDS) == RM_TYPES, "raygym.config.RM_TYPES lists the built-in rewards"
 
 
@@ -253,6 +264,9 @@ def _builtin(name: str, weight: float = 1.0) -> RewardFunction:
         if importlib.util.find_spec("math_verify") is None:
             math_verify_reward("", "")  # raises the ConfigError naming the extra
     builtin = BUILTIN_REWARDS[name]
+    if name in METADATA_REWARDS:
+        return RewardFunction(name, lambda sample: builtin(sample.response_text, sample.label, sample.metadata),
+                              "sample", weight, "rm_type")
     return RewardFunction(name, lambda sample: builtin(sample.response_text, sample.label), "sample", weight,
                           "rm_type")
 
@@ -453,13 +467,16 @@ def reward_component_metrics(samples: Sequence[Sample], names: Sequence[str], pr
 
 
 def default_rm_type(recipe: Recipe, prompt_data: str | None) -> str | None:
-    """``recipe.rm_type``, or the builtin task's own reward (``next_digit``, ``long_tail``) when no reward is
-    set."""
+    """``recipe.rm_type``, or the builtin task's own reward (``next_digit``, ``long_tail``; ``reasoning_gym`` for
+    ``reasoning-gym:`` data) when no reward is set."""
     from raygym.builtin import BUILTIN_TASKS
+    from raygym.envs.reasoning_gym_tasks import is_task_uri
 
     if recipe.rm_type is None and not recipe.custom_rm_function and not recipe.reward_functions:
         if prompt_data in BUILTIN_TASKS:
             return BUILTIN_TASKS[prompt_data]
+        if is_task_uri(prompt_data):
+            return "reasoning_gym"
     return recipe.rm_type
 
 

@@ -26,7 +26,7 @@ RECIPE_CHOICES: dict[str, tuple[Any, ...]] = {
 }
 
 # The built-in rewards (``rm_type``); raygym.rewards.BUILTIN_REWARDS holds them under these names.
-RM_TYPES = ("math", "math_verify", "gsm8k", "exact", "next_digit", "long_tail")
+RM_TYPES = ("math", "math_verify", "gsm8k", "exact", "next_digit", "long_tail", "reasoning_gym")
 # rm_type values the rollout task scores itself (raygym.rollout.tasks): the judge engine group, the episode's reward.
 TASK_RM_TYPES = ("judge", "env")
 

@@ -159,8 +159,9 @@ class Recipe(Section):
     balance_data: bool = option(False, "Rebalance kept samples across data-parallel ranks.")
     rm_type: str | None = option(
         None,
-        "Built-in reward (next_digit and long_tail score the builtin tasks of the same names; math_verify needs "
-        "raygym[math]). Leave unset for a custom reward.",
+        "Built-in reward (next_digit and long_tail score the builtin tasks of the same names; reasoning_gym scores "
+        "reasoning-gym:<task> data with the task's own scorer; math_verify needs raygym[math]). Leave unset for a "
+        "custom reward.",
     )
     reward_functions: dict[str, float] | None = option(
         None,

@@ -27,6 +27,7 @@ from raygym.config.constants import (
     TASK_RM_TYPES,
     UNSUPPORTED_RECIPE_FIELDS,
 )
+from raygym.envs.specs import parse_env_spec
 from raygym.errors import ConfigError
 from raygym.rollout.capabilities import check_inflight_update, check_weight_sync
 from raygym.rollout.capabilities import check_lora as check_lora_engine
@@ -55,6 +56,8 @@ def validate_recipe(r: Recipe) -> None:
         value = getattr(r, field)
         if value is not None and not isinstance(value, str) and not callable(value):
             raise ConfigError(f"{field}={value!r}: must be a callable or 'pkg.module:function'")
+        if field == "rollout_env" and parse_env_spec(value) is not None:
+            continue  # verifiers:... / openenv:... (raygym/envs/specs.py checked its form)
         check_import_path(field, value)
     check_import_path("dynamic_sampling_filter_path", r.dynamic_sampling_filter_path)
     if r.rm_type is not None and r.rm_type not in RM_TYPES + TASK_RM_TYPES:

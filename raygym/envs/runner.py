@@ -9,18 +9,23 @@ model's tokens, 0 for observation tokens (their log-probs are recorded as 0.0).
 
 Limits: ``max_turns`` model turns; ``max_context_len`` tokens of prompt + response (each turn gets
 ``min(max_new_tokens, room left)`` tokens; an observation that does not fit is cut and the episode
-ends with finish reason ``length``).
+ends with finish reason ``length``); ``call_timeout`` seconds for each ``reset`` / ``step`` (sync ones run in a
+worker thread, so a slow environment never blocks the engines' other episodes).
 
 Per sample it records ``metadata["env_reward"]`` (the sum of the steps' rewards; the default
 reward of an environment run, see :func:`episode_reward`) and ``metrics`` ``env_turns``,
-``env_tool_calls``, ``env_tool_errors`` and ``env_context_full`` (averaged per step by the manager
-as ``rollout/env_*``).
+``env_tool_calls``, ``env_tool_errors``, ``env_context_full`` and ``env_errors`` (averaged per step by the
+manager as ``rollout/env_*``). An environment that raises (or times out) in ``reset`` or ``step`` ends only
+its own episode: ``env_errors`` is 1, ``metadata["env_error"]`` says what happened, the reward is 0 and the
+loss mask is all 0 (nothing of a broken episode is trained).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from raygym.envs.base import Environment, Step
@@ -28,10 +33,29 @@ from raygym.errors import RaygymError
 from raygym.types import Sample
 
 Generate = Callable[[list[int], dict[str, Any]], Awaitable[dict[str, Any]]]
+ENV_CALL_TIMEOUT_S = 300.0  # one reset or step; past it the episode counts as an environment error
 
 
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
+class EnvCallError(Exception):
+    """An environment's own code failed (raised, or took longer than its timeout) during one episode."""
+
+
+async def call_env(fn: Callable[..., Any], *args: Any, timeout: float, what: str) -> Any:
+    """Call an environment method ``fn(*args)``: coroutine functions on the event loop, plain ones in a worker
+    thread (an awaitable they return is awaited too), both within ``timeout`` seconds. Any failure is an
+    :class:`EnvCallError` naming ``what``."""
+    async def run() -> Any:
+        value = fn(*args) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, *args)
+        return await value if inspect.isawaitable(value) else value
+
+    try:
+        return await asyncio.wait_for(run(), timeout)
+    except asyncio.TimeoutError:
+        raise EnvCallError(f"{what} took longer than {timeout:g} s") from None
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        raise EnvCallError(f"{what} raised {type(exc).__name__}: {exc}") from exc
 
 
 def _finish(meta: dict[str, Any]) -> tuple[str, Any]:
@@ -41,12 +65,50 @@ def _finish(meta: dict[str, Any]) -> tuple[str, Any]:
     return str(reason or ""), None
 
 
-def _output(response: dict[str, Any]) -> tuple[list[int], list[float]]:
+def engine_output(response: dict[str, Any]) -> tuple[list[int], list[float]]:
+    """The ids and log-probs of one ``/generate`` answer, exactly as the engine sampled them."""
     entries = (response.get("meta_info") or {}).get("output_token_logprobs")
     if entries:
         return [int(e[1]) for e in entries], [float(e[0]) for e in entries]
     ids = [int(t) for t in response.get("output_ids") or []]
     return ids, [0.0] * len(ids)
+
+
+def finish_reason(response: dict[str, Any]) -> str:
+    """The ``finish_reason`` type of one ``/generate`` answer (``stop``, ``length``, ``abort``)."""
+    return _finish(response.get("meta_info") or {})[0]
+
+
+@dataclass
+class EpisodeTokens:
+    """An episode's response side as it grows: the model's tokens (mask 1, the engine's log-probs) and
+    observation tokens (mask 0, log-prob 0.0), in order."""
+
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def add_model(self, ids: list[int], logprobs: list[float]) -> None:
+        self.tokens += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += logprobs
+
+    def add_observation(self, ids: list[int]) -> None:
+        self.tokens += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    def write(self, sample: Sample, tokenizer: Any, *, trained: bool = True) -> None:
+        """Put the tokens into ``sample`` (``trained=False``: a loss mask of zeros)."""
+        sample.response_tokens, sample.rollout_log_probs = list(self.tokens), list(self.logprobs)
+        sample.loss_mask = list(self.mask) if trained else [0] * len(self.mask)
+        sample.response_text = tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+
+def mark_env_error(sample: Sample, message: str) -> None:
+    """Record an environment failure on ``sample``: reward 0, ``env_errors`` 1, ``metadata["env_error"]``."""
+    sample.metadata = {**sample.metadata, "env_reward": 0.0, "env_error": message}
+    sample.metrics["env_errors"] = 1.0
 
 
 class EpisodeRunner:
@@ -57,74 +119,104 @@ class EpisodeRunner:
     """
 
     def __init__(self, env_factory: Callable[[], Environment], tokenizer: Any, *, max_turns: int,
-                 max_context_len: int | None = None) -> None:
+                 max_context_len: int | None = None, call_timeout: float = ENV_CALL_TIMEOUT_S) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns={max_turns}: must be >= 1")
         self.env_factory = env_factory
         self.tokenizer = tokenizer
         self.max_turns = max_turns
         self.max_context_len = max_context_len
+        self.call_timeout = call_timeout
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
 
+    def _room(self, prompt: list[int], episode: EpisodeTokens) -> int | None:
+        return None if self.max_context_len is None else self.max_context_len - len(prompt) - len(episode.tokens)
+
     async def __call__(self, args: Any, sample: Sample, sampling_params: dict[str, Any], generate: Generate) -> Sample:
-        env = self.env_factory()
+        episode = EpisodeTokens()
+        stats = {"env_turns": 0.0, "env_tool_calls": 0.0, "env_tool_errors": 0.0, "env_context_full": 0.0,
+                 "env_errors": 0.0}
+        try:
+            reward, finish = await self._play(sample, sampling_params, generate, episode, stats)
+        except EnvCallError as exc:
+            episode.write(sample, self.tokenizer, trained=False)
+            sample.finish_reason = "stop"
+            sample.metrics.update(stats)
+            mark_env_error(sample, str(exc))
+            return sample
+        episode.write(sample, self.tokenizer)
+        sample.finish_reason = finish
+        sample.metadata = {**sample.metadata, "env_reward": reward}
+        sample.metrics.update(stats)
+        return sample
+
+    async def _play(self, sample: Sample, sampling_params: dict[str, Any], generate: Generate,
+                    episode: EpisodeTokens, stats: dict[str, float]) -> tuple[float, str]:
+        try:
+            env = self.env_factory()
+        except Exception as exc:
+            raise EnvCallError(f"rollout_env's factory raised {type(exc).__name__}: {exc}") from exc
         if not isinstance(env, Environment):
             raise RaygymError(f"rollout_env made a {type(env).__name__}; it must return a raygym.envs.Environment")
-        await _maybe_await(env.reset(sample.prompt, sample.label, sample.metadata))
+        name = type(env).__name__
+        try:
+            return await self._turns(env, name, sample, sampling_params, generate, episode, stats)
+        finally:
+            await call_env(env.aclose, timeout=self.call_timeout, what=f"{name}.aclose")
+
+    async def _turns(self, env: Environment, name: str, sample: Sample, sampling_params: dict[str, Any],
+                     generate: Generate, episode: EpisodeTokens, stats: dict[str, float]) -> tuple[float, str]:
+        first = await call_env(env.reset, sample.prompt, sample.label, sample.metadata, timeout=self.call_timeout,
+                               what=f"{name}.reset")
+        if first is not None and not isinstance(first, str):
+            raise EnvCallError(f"{name}.reset returned {type(first).__name__}; return None or the first observation")
         params = dict(sampling_params)
         params["stop"] = [*_as_list(params.get("stop")), *env.turn_stop]
         if not params["stop"]:
             del params["stop"]
         per_turn = int(params.get("max_new_tokens", 128))
         prompt = list(sample.prompt_tokens)
-        tokens: list[int] = []
-        mask: list[int] = []
-        logprobs: list[float] = []
-        reward, turns, calls, errors = 0.0, 0, 0, 0
-        finish, context_full = "stop", False
+        if first and self._observe(prompt, episode, first):
+            stats["env_context_full"] = 1.0
+            return 0.0, "length"
+        reward, finish = 0.0, "stop"
         for _ in range(self.max_turns):
-            room = None if self.max_context_len is None else self.max_context_len - len(prompt) - len(tokens)
+            room = self._room(prompt, episode)
             if room is not None and room <= 0:
-                finish, context_full = "length", True
-                break
+                stats["env_context_full"] = 1.0
+                return reward, "length"
             params["max_new_tokens"] = per_turn if room is None else min(per_turn, room)
-            response = await generate(prompt + tokens, dict(params))
-            finish, _matched = _finish(response.get("meta_info") or {})
-            out, lps = _output(response)
-            tokens += out
-            mask += [1] * len(out)
-            logprobs += lps
-            turns += 1
+            response = await generate(prompt + episode.tokens, dict(params))
+            finish = finish_reason(response)
+            ids, logprobs = engine_output(response)
+            episode.add_model(ids, logprobs)
+            stats["env_turns"] += 1
             if finish == "abort":
                 sample.status = "aborted"
-                break
-            step = await _maybe_await(env.step(self.tokenizer.decode(out, skip_special_tokens=True)))
+                return reward, finish
+            step = await call_env(env.step, self.tokenizer.decode(ids, skip_special_tokens=True),
+                                  timeout=self.call_timeout, what=f"{name}.step")
             if not isinstance(step, Step):
-                raise RaygymError(f"{type(env).__name__}.step returned {type(step).__name__}; return a raygym.envs.Step")
+                raise RaygymError(f"{name}.step returned {type(step).__name__}; return a raygym.envs.Step")
             reward += float(step.reward)
-            calls += int(step.tool_call)
-            errors += int(step.tool_error)
-            if step.done or turns == self.max_turns:  # no observation nobody would answer
-                break
-            observed = self._encode(step.observation)
-            if self.max_context_len is not None:
-                room = self.max_context_len - len(prompt) - len(tokens)
-                if len(observed) >= room:  # no room for the model to answer it
-                    observed, finish, context_full = observed[:max(room, 0)], "length", True
-            tokens += observed
-            mask += [0] * len(observed)
-            logprobs += [0.0] * len(observed)
-            if context_full:
-                break
-        sample.response_tokens, sample.loss_mask, sample.rollout_log_probs = tokens, mask, logprobs
-        sample.response_text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        sample.finish_reason = finish
-        sample.metadata = {**sample.metadata, "env_reward": reward}
-        sample.metrics.update({"env_turns": float(turns), "env_tool_calls": float(calls),
-                               "env_tool_errors": float(errors), "env_context_full": float(context_full)})
-        return sample
+            stats["env_tool_calls"] += float(step.tool_call)
+            stats["env_tool_errors"] += float(step.tool_error)
+            if step.done or stats["env_turns"] == self.max_turns:  # no observation nobody would answer
+                return reward, finish
+            if self._observe(prompt, episode, step.observation):
+                stats["env_context_full"] = 1.0
+                return reward, "length"
+        return reward, finish
+
+    def _observe(self, prompt: list[int], episode: EpisodeTokens, text: str) -> bool:
+        """Append an observation; True when it filled the context (cut to fit: the episode ends)."""
+        observed = self._encode(text)
+        room = self._room(prompt, episode)
+        full = room is not None and len(observed) >= room  # no room for the model to answer it
+        episode.add_observation(observed[:max(room, 0)] if full and room is not None else observed)
+        return full
 
 
 def _as_list(value: Any) -> list[str]:

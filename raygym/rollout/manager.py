@@ -123,11 +123,13 @@ class RolloutManager:
         # Environments, LLM judge, distillation (raygym/rollout/tasks.py): judge is a raygym.judge.JudgeClient,
         # teacher a raygym.distill.TeacherScorer.
         self.judge, self.teacher = judge, teacher
-        self.rewards = reward_model or tasks.task_reward_model(cfg, judge) or reward_model_from_config(cfg)
-        self.group_filter: GroupFilter | None = load_group_filter(self.settings.dynamic_sampling_filter_path)
         self._custom_generate = tasks.episode_runner(
             self.settings, self.tokenizer,
-            load_callable(self.settings.custom_generate_function, "custom_generate_function"))
+            load_callable(self.settings.custom_generate_function, "custom_generate_function"),
+            cfg.chat_template_kwargs())
+        self.rewards = (reward_model or tasks.task_reward_model(cfg, judge, self._custom_generate)
+                        or reward_model_from_config(cfg))
+        self.group_filter: GroupFilter | None = load_group_filter(self.settings.dynamic_sampling_filter_path)
         self._rollout_function = load_callable(self.settings.rollout_function, "rollout_function")
         s = self.settings
         self.pool = EnginePool(
@@ -166,6 +168,7 @@ class RolloutManager:
     async def close(self) -> None:
         await self.pool.close()
         self.rewards.close()
+        await tasks.close_episode_runner(self._custom_generate)
         if self.judge is not None:
             await self.judge.close()
 

@@ -20,23 +20,52 @@ if TYPE_CHECKING:
     from raygym.rollout.settings import RolloutSettings
 
 
-def episode_runner(settings: RolloutSettings, tokenizer: Any, custom_generate: Any) -> Any:
-    """An :class:`raygym.envs.EpisodeRunner` when ``rollout_env`` is set (else ``custom_generate``)."""
-    factory = load_callable(settings.rollout_env, "rollout_env")
-    if factory is None:
+def episode_runner(settings: RolloutSettings, tokenizer: Any, custom_generate: Any,
+                   chat_template_kwargs: dict[str, Any] | None = None) -> Any:
+    """The episode runner of ``rollout_env`` (else ``custom_generate``): an :class:`raygym.envs.EpisodeRunner`
+    over a raygym environment or an OpenEnv one (``openenv:...``, its servers started here), or a
+    :class:`raygym.envs.verifiers_env.VerifiersRunner` (``verifiers:...``)."""
+    from raygym.envs.specs import parse_env_spec
+
+    spec = parse_env_spec(settings.rollout_env)
+    factory = None if spec is not None else load_callable(settings.rollout_env, "rollout_env")
+    if factory is None and spec is None:
         return custom_generate
     if custom_generate is not None:
         raise ConfigError("rollout_env and custom_generate_function are both set: an environment run generates "
                           "its episodes itself; keep one of them")
     from raygym.envs.runner import EpisodeRunner
 
-    return EpisodeRunner(factory, tokenizer, max_turns=settings.rollout_env_max_turns,
-                         max_context_len=settings.rollout_env_max_context_len)
+    max_turns, max_context_len = settings.rollout_env_max_turns, settings.rollout_env_max_context_len
+    if spec is not None and spec.scheme == "verifiers":
+        from raygym.envs.verifiers_env import VerifiersRunner
+
+        return VerifiersRunner(spec, tokenizer, chat_template_kwargs=chat_template_kwargs, max_turns=max_turns,
+                               max_context_len=max_context_len)
+    if spec is not None:
+        from raygym.envs.openenv_env import OpenEnvPool
+
+        factory = OpenEnvPool(spec)
+    assert factory is not None
+    return EpisodeRunner(factory, tokenizer, max_turns=max_turns, max_context_len=max_context_len)
 
 
-def task_reward_model(cfg: TrainConfig, judge: Any) -> RewardModel | None:
+async def close_episode_runner(runner: Any) -> None:
+    """End what an episode runner started (an OpenEnv run's server processes)."""
+    from raygym.envs.openenv_env import OpenEnvPool
+    from raygym.envs.runner import EpisodeRunner
+    from raygym.envs.verifiers_env import VerifiersRunner
+
+    if isinstance(runner, EpisodeRunner) and isinstance(runner.env_factory, OpenEnvPool):
+        await runner.env_factory.aclose()
+    elif isinstance(runner, VerifiersRunner):
+        runner.close()
+
+
+def task_reward_model(cfg: TrainConfig, judge: Any, runner: Any = None) -> RewardModel | None:
     """The reward model of a judge run (``rm_type='judge'``) or of an environment run (``rm_type='env'``,
-    or unset, with ``rollout_env``: the episode's reward); None = the usual
+    or unset, with ``rollout_env``: the episode's reward; a verifiers environment's rubric, per group, for
+    ``runner``, a :class:`raygym.envs.verifiers_env.VerifiersRunner`); None = the usual
     :func:`raygym.rewards.reward_model_from_config` (with ``rollout_env`` and another ``rm_type`` that
     verifier scores the episode's whole response text)."""
     recipe = cfg.recipe
@@ -49,7 +78,10 @@ def task_reward_model(cfg: TrainConfig, judge: Any) -> RewardModel | None:
         raise ConfigError("rm_type='env' rewards environment episodes; set rollout_env too (or another rm_type)")
     if recipe.rollout_env is not None and recipe.custom_rm_function is None and recipe.rm_type in (None, "env"):
         from raygym.envs.runner import episode_reward
+        from raygym.envs.verifiers_env import VerifiersRunner
 
+        if isinstance(runner, VerifiersRunner):
+            return RewardModel(None, runner.verifiers_rubric, post)
         return RewardModel(None, episode_reward, post)
     return None
 
