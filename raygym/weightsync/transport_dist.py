@@ -60,7 +60,11 @@ def join_group(
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
+    from raygym.netif import pin_gloo_interface
+
     deadline = time.monotonic() + timeout_s  # one budget for both phases: the join ends within timeout_s
+    if backend == "gloo":  # bind the interface that reaches the master, never a loopback the host name names
+        pin_gloo_interface(master_address)
 
     def left() -> datetime.timedelta:
         return datetime.timedelta(seconds=max(0.5, deadline - time.monotonic()))
