@@ -173,6 +173,10 @@ def _with_rank_env(actor_cls: type[Any]) -> type[Any]:
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         os.environ.update(kwargs.pop(_RANK_ENV_KWARG, None) or {})
+        if os.environ.get("MASTER_ADDR"):  # gloo ranks on several nodes must bind the cluster's interface
+            from raygym.netif import pin_gloo_interface
+
+            pin_gloo_interface(os.environ["MASTER_ADDR"])
         actor_cls.__init__(self, *args, **kwargs)
 
     return type(actor_cls.__name__, (actor_cls,), {"__init__": __init__, "__doc__": actor_cls.__doc__})
@@ -327,10 +331,7 @@ def start_engine_group(
     """
     engines = placement.engine_bundles
     firsts = [e[0] for e in engines]
-    per_rank = [
-        {"engine_index": i, "gpu_ids": [b.gpu_id for b in e], "host": e[0].node_ip}
-        for i, e in enumerate(engines)
-    ]
+    per_rank = [engine_placement_kwargs(i, e) for i, e in enumerate(engines)]
     return ActorGroup.start(
         actor_cls,
         firsts,
@@ -340,6 +341,12 @@ def start_engine_group(
         user_env=merge_user_env(environment),
         torchrun_env=False,
     )
+
+
+def engine_placement_kwargs(index: int, bundles: Sequence[BundleRecord]) -> dict[str, Any]:
+    """What engine ``index`` is told about where it runs: its GPUs' ids and its node's IP (the address its
+    server binds, reachable from every node)."""
+    return {"engine_index": index, "gpu_ids": [b.gpu_id for b in bundles], "host": bundles[0].node_ip}
 
 
 def submit_all(group: ActorGroup, method: str, *args: Any, **kwargs: Any) -> list[Any]:

@@ -1,5 +1,6 @@
 """The run's rollout engines as one thing the driver owns: which engines are live, which the weight sync
-reaches, which weight version each holds; memory release/resume on all of them; recovery after a restart.
+reaches, which weight version each holds; memory release/resume on all of them; recovery after a restart,
+and replacement of an engine whose actor is gone (its node died).
 
 The rollout manager's :class:`raygym.rollout.health.EnginePool` is the data-plane half: it notices an engine
 failing a request, restarts it in the background (so generation goes on elsewhere) and keeps it out of
@@ -7,31 +8,42 @@ rotation until it holds the current weights. Everything after that is here: befo
 waits for restarts in progress, re-forms the weight-update group over the live engines (a restarted
 server listens on a new port and must join again; its first push is full), pushes, and tells the manager
 which engines now hold the version.
+
+An engine whose actor died with its node is "lost": the run goes on without it. Before each sync the
+fleet asks whether Ray has placed its bundles again (the node came back, or another with the resources
+joined); then an :class:`raygym.engine_spawn.EngineSpawner` starts a new actor there, in the background.
+Once its server answers, the manager takes the new actor (still without traffic), the weight sync is
+re-formed over it and pushes the current weights, verified, and only then does it get requests.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raygym.config import Recipe
 from raygym.errors import RaygymError, WeightSyncError
 
+if TYPE_CHECKING:
+    from raygym.engine_spawn import EngineSpawner
+
 ENGINE_START_TIMEOUT_S = 600.0
+ALIVE_TIMEOUT_S = 30.0  # an engine actor that does not answer alive() in this time is left out of a sync
 
 
 class EngineFleet:
     """Driver-side owner of the engine group's lifecycle and weight sync.
 
-    ``engines``: the ActorGroup of :class:`raygym.rollout.engine.EngineActor`; ``trainers``: the policy's
-    ActorGroup (rank 0 sends weights); ``manager``: the RolloutManager handle (it routes requests and
-    restarts failed engines).
+    ``engines``: the ActorGroup of :class:`raygym.rollout.engine.EngineActor` (a replaced engine's new handle
+    is written into it); ``trainers``: the policy's ActorGroup (rank 0 sends weights); ``manager``: the
+    RolloutManager handle (it routes requests and restarts failed engines); ``spawner``: starts a new actor
+    for an engine whose actor is gone (None: a lost engine stays lost).
     """
 
     def __init__(self, recipe: Recipe, engines: Any, trainers: Any, manager: Any, *,
                  engine_dtype: str | None = None, say: Callable[[str], Any] = print,
-                 adapter: tuple[dict[str, Any], str] | None = None) -> None:
+                 adapter: tuple[dict[str, Any], str] | None = None, spawner: EngineSpawner | None = None) -> None:
         self.recipe = recipe
         self.engines = engines
         self.trainers = trainers
@@ -43,6 +55,9 @@ class EngineFleet:
         self.synced: list[int] = []  # engine indexes the weight sync reaches
         self.urls: list[str] = []
         self.rebuilds = 0  # weight-sync rebuilds after engine restarts
+        self.spawner = spawner
+        self.replaced = 0  # engines whose lost actor was replaced by a new one
+        self._starting: dict[int, tuple[Any, Any]] = {}  # engine -> (new actor, ObjectRef of its start())
 
     # ---- weight sync ------------------------------------------------------------------------------
     def connect(self, indexes: list[int]) -> None:
@@ -58,7 +73,10 @@ class EngineFleet:
             learned = self.weight_sync.cost_model
             self.weight_sync.shutdown()  # the trainer leaves the old group; live engines destroy theirs
             self.weight_sync = None
-        self.urls = ray.get([h.url.remote() for h in self.engines.handles])
+        urls = ray.get([self.engines.handles[i].url.remote() for i in indexes])
+        self.urls = [""] * len(self.engines.handles)
+        for i, url in zip(indexes, urls, strict=True):
+            self.urls[i] = url
         info = ray.get(self.engines.handles[indexes[0]].engine_info.remote())
         overrides: dict[str, Any] = {}
         if info["kind"] in ("sglang", "vllm"):  # send what the engine holds: its dtype, not fp32 masters
@@ -100,37 +118,89 @@ class EngineFleet:
         needing = set(ray.get(self.manager.engines_needing_weights.remote()))
         for i in sorted(needing & set(self.synced)):
             ray.get(self.manager.mark_engine_synced.remote(i, version))
-        return {"sync/engines": float(len(self.synced))}
+        return {"sync/engines": float(len(self.synced)), "sync/engines_replaced": float(self.replaced)}
 
     def recover(self) -> dict[str, float]:
-        """Wait for restarts in progress and re-form the weight sync when the live engines changed."""
+        """Replace lost engines whose bundles are placed again, wait for restarts in progress and re-form the
+        weight sync when the live engines changed."""
         import ray
 
+        self._replace_lost(ray.get(self.manager.engine_states.remote()))
         states = ray.get(self.manager.engine_states.remote())
-        live = [i for i, state in enumerate(states) if state != "dead"]
-        if all(state == "healthy" for state in states) and live == self.synced:
+        live = [i for i, state in enumerate(states) if state not in ("dead", "lost")]
+        if all(state in ("healthy", "lost") for state in states) and live == self.synced:
             return {}
         deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
         while "dead" in states and time.monotonic() < deadline:  # restarting (or its restart failed)
             time.sleep(0.25)  # polls the manager's state of each engine until its restart ends
             states = ray.get(self.manager.engine_states.remote())
-        live = self._alive([i for i, state in enumerate(states) if state != "dead"])
+        live = self._alive([i for i, state in enumerate(states) if state not in ("dead", "lost")])
         if not live:
             raise RaygymError(f"every rollout engine is dead and could not be restarted (states {states})")
-        self.say(f"[yellow]engines restarted: re-forming the weight sync over engines {live}[/]")
+        if live != self.synced:
+            self.say(f"[yellow]engines changed: re-forming the weight sync over engines {live}[/]")
         self._rebuild(live)
         return {"sync/engine_rebuilds": float(self.rebuilds)}
+
+    def _replace_lost(self, states: list[str]) -> None:
+        """Start a new actor for each lost engine whose bundles Ray placed again (in the background), and hand
+        the ones whose server is up to the manager: they then wait for weights like a restarted engine."""
+        import ray
+
+        if self.spawner is None:
+            return
+        for i, state in enumerate(states):
+            if state != "lost":
+                continue
+            if i not in self._starting:
+                bundles = self.spawner.placed(i)
+                if bundles is None:  # its node (or one that can take its bundles) has not joined yet
+                    continue
+                self.say(f"[yellow]engine {i}: its GPUs are placed again on {bundles[0].node_ip}; starting a new "
+                         "engine there[/]")
+                self._starting[i] = self.spawner.spawn(i, bundles, old=self.engines.handles[i])
+            handle, started = self._starting[i]
+            if not ray.wait([started], timeout=0)[0]:
+                continue  # still starting: the run goes on without it
+            del self._starting[i]
+            try:
+                ray.get(started)
+            except Exception as exc:  # its node died again, or the server did not come up: try again later
+                self.say(f"[yellow]engine {i}: the new engine failed to start ({str(exc).splitlines()[0]})[/]")
+                try:
+                    ray.kill(handle, no_restart=True)  # frees its bundle for the next try
+                except Exception:  # already gone
+                    pass
+                continue
+            self.engines.handles[i] = handle
+            ray.get(self.manager.replace_engine.remote(i, handle))
+            self.replaced += 1
+            self.say(f"[yellow]engine {i}: replaced; it gets requests once it holds the current weights[/]")
 
     def _rebuild(self, live: list[int]) -> None:
         self.connect(live)
         self.rebuilds += 1
 
     def _alive(self, indexes: list[int]) -> list[int]:
-        """Those of ``indexes`` whose server process lives (a death the manager has not seen yet)."""
+        """Those of ``indexes`` whose server process lives (a death the manager has not seen yet). An engine
+        whose actor is gone (its node died) is reported to the manager as lost."""
         import ray
 
-        alive = ray.get([self.engines.handles[i].alive.remote() for i in indexes])
-        return [i for i, ok in zip(indexes, alive, strict=True) if ok]
+        from raygym.rollout.health import actor_gone
+
+        refs = {i: self.engines.handles[i].alive.remote() for i in indexes}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=ALIVE_TIMEOUT_S)
+        live = []
+        for i, ref in refs.items():
+            if ref not in ready:
+                continue  # no answer in time: left out of this sync
+            try:
+                if ray.get(ref):
+                    live.append(i)
+            except ray.exceptions.RayError as exc:
+                if actor_gone(exc):
+                    ray.get(self.manager.mark_engine_lost.remote(i, f"its actor died ({type(exc).__name__})"))
+        return live
 
     # ---- memory -----------------------------------------------------------------------------------
     def call(self, method: str, **kwargs: Any) -> None:
@@ -150,7 +220,17 @@ class EngineFleet:
                 self.say(f"[yellow]engine {i}: {method} failed ({str(exc).splitlines()[0]})[/]")
 
     def shutdown(self, fast: bool = False) -> None:
-        """Leave the weight-update group (skipped when ``fast``: a busy or dead trainer would stall it)."""
+        """Leave the weight-update group (skipped when ``fast``: a busy or dead trainer would stall it) and end
+        replacement engines still starting."""
+        import ray
+
         if self.weight_sync is not None and not fast:
             self.weight_sync.shutdown()
         self.weight_sync = None
+        for handle, _ in self._starting.values():
+            try:
+                ray.get(handle.shutdown.remote(), timeout=30)
+            except Exception:  # it may be dead already
+                pass
+            ray.kill(handle, no_restart=True)
+        self._starting.clear()

@@ -165,6 +165,7 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
     from raygym.actor_group import call_all, start_engine_group, start_trainer_group
     from raygym.aux_groups import aux_manager_kwargs, start_aux_groups
     from raygym.engine_fleet import EngineFleet
+    from raygym.engine_spawn import EngineSpawner
     from raygym.placement import allocate_for_recipe
     from raygym.rollout.auth import ENGINE_API_KEY_ENV, new_engine_api_key
     from raygym.rollout.engine import EngineActor
@@ -192,18 +193,15 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
                 environment=recipe.environment, train_env_vars=recipe.train_env_vars,
             )
             critic_refs = [h.init.remote() for h in graph.critics.handles]
-        graph.engines = start_engine_group(
-            graph.placement, EngineActor,
-            args=(recipe,),
-            kwargs={
-                "model_path": model_path,
-                "backend": engine_kind,
-                "log_dir": str(run_dir / "logs"),
-                "startup_timeout": ENGINE_START_TIMEOUT_S,
-                "extra_server_args": lora.server_args if lora else [],
-            },
-            environment=recipe.environment,
-        )
+        engine_kwargs = {
+            "model_path": model_path,
+            "backend": engine_kind,
+            "log_dir": str(run_dir / "logs"),
+            "startup_timeout": ENGINE_START_TIMEOUT_S,
+            "extra_server_args": lora.server_args if lora else [],
+        }
+        graph.engines = start_engine_group(graph.placement, EngineActor, args=(recipe,), kwargs=engine_kwargs,
+                                           environment=recipe.environment)
         ray.get([h.use_engine_api_key.remote(api_key) for h in graph.engines.handles])
         url_refs = [h.start.remote() for h in graph.engines.handles]
         critics = f", {len(graph.critics)} critic(s)" if graph.critics else ""
@@ -213,14 +211,15 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
         ray.get(url_refs)
         graph.aux = start_aux_groups(recipe, run_dir, engine_kind, say)
         manager_cls = ray.remote(RolloutManager)
-        graph.manager = manager_cls.options(num_cpus=0, max_concurrency=64).remote(
+        graph.manager = manager_cls.options(num_cpus=0, max_concurrency=64, scheduling_strategy=driver_node()).remote(
             cfg, graph.engines.handles, model_path, data_cache_dir=str(run_dir / "cache"),
             **aux_manager_kwargs(recipe, graph.aux, run_dir),
         )
         ray.get(graph.manager.use_engine_api_key.remote(api_key))
+        spawner = EngineSpawner(graph.placement, EngineActor, (recipe,), engine_kwargs, recipe.environment, api_key)
         graph.fleet = EngineFleet(recipe, graph.engines, graph.trainers, graph.manager,
                                   engine_dtype=checkpoint_dtype(model_path), say=say,
-                                  adapter=(lora.adapter_config, lora.directory) if lora else None)
+                                  adapter=(lora.adapter_config, lora.directory) if lora else None, spawner=spawner)
         graph.fleet.connect(list(range(len(graph.engines))))
         if lora:  # the engines serve the trainer's adapters (identity at first, B = 0) before the first rollout
             graph.fleet.push(0)
@@ -232,6 +231,21 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
     except BaseException:
         graph.shutdown()
         raise
+
+
+def driver_node() -> Any:
+    """A scheduling strategy for this process's node: the rollout manager lives beside the driver (under
+    ``ray job submit`` the head), so losing a GPU node never takes the run's bookkeeping with it. Hard
+    affinity: the node is alive (the driver runs there) and the manager needs no resources; Ray 2.60 placed
+    soft-affine zero-resource actors on other nodes at times."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        node = ray.get_runtime_context().get_node_id()
+    except Exception:  # a Ray Client driver has no node of its own: Ray's default placement
+        return "DEFAULT"
+    return NodeAffinitySchedulingStrategy(node_id=node, soft=False)
 
 
 @dataclass(frozen=True)

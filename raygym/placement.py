@@ -231,7 +231,27 @@ class Placement:
             cpus_free=avail.get("CPU", 0.0),
         )
 
-    def _probe_and_lay_out(self) -> None:
+    def engine_bundles_now(self, engine: int) -> list[BundleRecord] | None:
+        """Engine ``engine``'s bundles where they are placed now, probed again, or None while any of them
+        waits for a node. When a node dies Ray re-places its bundles once a node with the resources joins
+        (the same machine back, or another); an engine replacing the lost one goes there."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        rows = [a for a in role_rows(self.assignments, "rollout") if a.engine_index == engine]
+        if not rows:
+            raise RaygymError(f"placement has no rollout engine {engine}")
+        placed = placement_group_table(self.placement_group).get("bundles_to_node_id") or {}
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        if any(placed.get(a.bundle_index) not in alive for a in rows):
+            return None
+        for slot in self._probe([a.bundle_index for a in rows]):
+            self._records[slot.bundle_index] = BundleRecord(
+                self.placement_group, slot.bundle_index, slot.node_id, slot.ip, slot.gpu_id, 1.0)
+        return [self._record_for(a) for a in rows]
+
+    def _probe(self, bundle_indexes: list[int]) -> list[GpuSlot]:
+        """Node and GPU id of each bundle, asked by a probe task inside it."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -244,13 +264,17 @@ class Placement:
                     placement_group=self.placement_group, placement_group_bundle_index=i
                 ),
             ).remote()
-            for i in range(self.alloc.total_gpus)
+            for i in bundle_indexes
         ]
         found = ray.get(refs, timeout=max(60.0, self.timeout))
         slots = []
-        for i, (node_id, ip, gpus, cvd) in enumerate(found):
+        for i, (node_id, ip, gpus, cvd) in zip(bundle_indexes, found, strict=True):
             gpu = gpus[0] if gpus else int(cvd.split(",")[0])
             slots.append(GpuSlot(node_id, ip, gpu, i))
+        return slots
+
+    def _probe_and_lay_out(self) -> None:
+        slots = self._probe(list(range(self.alloc.total_gpus)))
         self._assignments = layout_from_slots(
             self.alloc, slots, trainer_share=self.trainer_share, engine_share=self.engine_share
         )
@@ -330,22 +354,40 @@ def allocate_for_recipe(recipe: Recipe, **overrides: Any) -> Placement:
     return allocate(recipe.gpu_allocation(), **kwargs)
 
 
+def dashboard_nodes(url: str) -> list[NodeInfo]:
+    """GPU nodes of the cluster whose dashboard is at ``url`` (Ray's state API over HTTP: works from any
+    machine that reaches the dashboard, like ``ray job submit``; no Ray node needed here)."""
+    from ray.util.state import list_nodes
+
+    out = []
+    for n in list_nodes(address=url, detail=True, limit=10000):
+        gpus = int((n.resources_total or {}).get("GPU", 0))
+        if n.state == "ALIVE" and gpus > 0:
+            out.append(NodeInfo(n.node_id, n.node_ip, tuple(range(gpus))))
+    return out
+
+
 def plan_on_cluster(recipe: Recipe, address: str) -> list[BundleAssignment]:
-    """Connect to the Ray cluster at ``address`` and lay the recipe out on its GPU nodes (no job started).
+    """Lay the recipe out on the GPU nodes of the Ray cluster at ``address`` (no job started): a dashboard
+    URL (``http://head:8265``, what job submission uses) is asked over HTTP; a GCS address (``head:6379``,
+    ``auto``) is joined with ``ray.init`` (this machine must then be a node of that cluster).
 
     Reuses an already connected Ray. Raises RaygymError naming the shortfall when the cluster is too
     small and ConfigError when an engine would span nodes.
     """
     import ray
 
-    owns = not ray.is_initialized()
-    if owns:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-    try:
-        nodes = cluster_nodes()
-    finally:
+    if address.startswith(("http://", "https://")):
+        nodes = dashboard_nodes(address)
+    else:
+        owns = not ray.is_initialized()
         if owns:
-            ray.shutdown()
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        try:
+            nodes = cluster_nodes()
+        finally:
+            if owns:
+                ray.shutdown()
     return layout(
         recipe.gpu_allocation(),
         nodes,

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from raygym.errors import RaygymError
-from raygym.rollout.router import DEAD, NoHealthyEngineError, Router
+from raygym.rollout.router import DEAD, LOST, NoHealthyEngineError, Router
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,8 @@ class EnginePool:
                     raise NoHealthyEngineError(
                         f"no healthy rollout engine for {self.no_engine_timeout:.0f}s; engines needing "
                         f"weights {self.router.needing_weights()} (the driver must call mark_engine_synced), "
-                        f"dead {[i for i in range(self.router.num_engines) if self.router.state(i) == DEAD]}"
+                        f"dead {[i for i in range(self.router.num_engines) if self.router.state(i) == DEAD]}, "
+                        f"lost {[i for i in range(self.router.num_engines) if self.router.state(i) == LOST]}"
                     ) from None
                 self._changed.clear()
                 try:
@@ -303,6 +304,9 @@ class EnginePool:
                     self.incarnation[i] += 1
                     break
                 except Exception as e:  # the actor may need a moment; try again, then give up
+                    if actor_gone(e):  # its node died: only the driver can place a new actor
+                        self.mark_lost(i, f"its actor is gone ({type(e).__name__}); waiting for a replacement")
+                        return
                     log.warning("restart of %s failed (attempt %d): %s", self.engine_name(i), attempt, e)
                     if attempt == attempts:
                         self.failures.append({"engine": i, "url": self.urls[i], "time": time.time(),
@@ -313,6 +317,32 @@ class EnginePool:
             self._changed.set()
         finally:
             self._recoveries.pop(i, None)
+
+    def mark_lost(self, i: int, reason: str) -> None:
+        """Engine ``i``'s actor is gone (e.g. its node died): no traffic until :meth:`replace_engine`."""
+        if self.router.state(i) == LOST:
+            return
+        self.router.mark_lost(i)
+        self.failures.append({"engine": i, "url": self.urls[i], "reason": f"lost: {reason}", "time": time.time()})
+        log.warning("rollout %s lost: %s", self.engine_name(i), reason)
+        self._changed.set()
+
+    async def replace_engine(self, i: int, handle: Any) -> None:
+        """A new, started actor serves engine ``i`` (the driver placed it after its node returned). It gets
+        traffic once it holds the current weights (:meth:`mark_engine_synced`)."""
+        url = await handle.url.remote()
+        old = self.clients[i]
+        self.engines[i] = handle
+        self._set_url(i, url)
+        self.incarnation[i] += 1  # failures reported about the old actor are ignored from now on
+        self.router.mark_restarted(i)
+        self._changed.set()
+        close = getattr(old, "aclose", None)
+        if close is not None:
+            try:
+                await close()
+            except Exception as e:  # its server is gone with the old node
+                log.debug("closing the old client of %s failed: %s", self.engine_name(i), e)
 
     async def wait_for_recoveries(self) -> None:
         """Wait until every restart started so far has finished."""
@@ -344,6 +374,16 @@ class EnginePool:
                 result = close()
                 if asyncio.iscoroutine(result):
                     await result
+
+
+def actor_gone(exc: BaseException) -> bool:
+    """True when ``exc`` says a Ray actor died for good (its process or node is gone), not merely that it
+    was unreachable for a moment."""
+    try:
+        from ray.exceptions import ActorDiedError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return isinstance(exc, ActorDiedError)
 
 
 def _finish_type(response: Any) -> str | None:

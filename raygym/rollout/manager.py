@@ -196,8 +196,19 @@ class RolloutManager:
             self.stream.wake()
 
     def engine_states(self) -> list[str]:
-        """``healthy`` | ``dead`` | ``needs_weights`` per engine (push weights to the non-dead ones)."""
+        """``healthy`` | ``dead`` | ``needs_weights`` | ``lost`` per engine (push weights to the healthy and
+        needs_weights ones; a lost engine's actor is gone and waits for :meth:`replace_engine`)."""
         return [self.pool.router.state(i) for i in range(self.pool.router.num_engines)]
+
+    def mark_engine_lost(self, engine_index: int, reason: str) -> None:
+        """Engine ``engine_index``'s actor is gone (its node died): no traffic until it is replaced."""
+        self.pool.mark_lost(engine_index, reason)
+
+    async def replace_engine(self, engine_index: int, handle: Any) -> None:
+        """A new started actor serves engine ``engine_index``; it gets traffic once it holds the current
+        weights (:meth:`mark_engine_synced`)."""
+        await self._ensure_started()
+        await self.pool.replace_engine(engine_index, handle)
 
     def data_state(self) -> dict[str, Any]:
         """The training data position, for checkpoints; in a fully asynchronous run also the prompts started

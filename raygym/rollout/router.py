@@ -6,7 +6,9 @@ Each engine is in one of three states:
 - ``dead``: failed; gets no traffic while it is restarted;
 - ``needs_weights``: restarted, but it serves stale weights; gets no traffic until
   ``mark_ready(i, version)`` reports the CURRENT weight version (a recovered engine
-  must not serve before it holds the current policy).
+  must not serve before it holds the current policy);
+- ``lost``: its actor is gone (e.g. its node died), so it cannot be restarted in place; gets no
+  traffic until a new actor replaces it (``mark_restarted``), which then needs weights as above.
 
 >>> r = Router(2)
 >>> a = r.acquire(); b = r.acquire(); (a, b)
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from raygym.errors import RaygymError
 
-HEALTHY, DEAD, NEEDS_WEIGHTS = "healthy", "dead", "needs_weights"
+HEALTHY, DEAD, NEEDS_WEIGHTS, LOST = "healthy", "dead", "needs_weights", "lost"
 
 
 class NoHealthyEngineError(RaygymError):
@@ -93,10 +95,14 @@ class Router:
 
     def mark_unhealthy(self, i: int) -> bool:
         """Take engine ``i`` out of rotation; returns False if it already was."""
-        if self._state[i] == DEAD:
+        if self._state[i] in (DEAD, LOST):
             return False
         self._state[i] = DEAD
         return True
+
+    def mark_lost(self, i: int) -> None:
+        """Engine ``i``'s actor is gone: out of rotation until a replacement is :meth:`mark_restarted`."""
+        self._state[i] = LOST
 
     def mark_restarted(self, i: int) -> None:
         """Engine ``i`` is running again but must receive the current weights before traffic."""
@@ -110,7 +116,7 @@ class Router:
         """Return engine ``i`` to rotation if it was restarted and holds the current weight version.
 
         Returns False (and changes nothing) for a stale version or an engine that was not restarted."""
-        if weight_version != self.weight_version or self._state[i] == DEAD:
+        if weight_version != self.weight_version or self._state[i] in (DEAD, LOST):
             return False
         self._state[i] = HEALTHY
         return True
