@@ -187,3 +187,17 @@ def test_report_renders_a_lora_run(lora_runs, tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     html = out.read_text()
     assert "lora_rank" in html and "sync/raw_bytes" in html
+
+
+def test_colocated_lora_run_syncs_verified_adapters(tmp_path):
+    """Trainer and engine on one (logical) GPU: the engine releases its memory for training and takes the
+    adapters back through the colocated transport, each verified."""
+    done = _raygym("train", "--lora-rank", "8", "--colocate", "--no-rollout-num-gpus", "--num-rollout", "2",
+                   "--save-interval", "1000", "--output-dir", str(tmp_path / "run"), timeout=400)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rows = rows_of(tmp_path / "run")
+    assert sorted(rows) == [0, 1]
+    for r in rows.values():
+        assert r["sync/verified_tensors"] == ADAPTER_TENSORS and r["sync/full_resyncs"] == 0
+        assert r["rollout/logprob_mismatch_mean"] < 1e-5
+    assert "sharing the trainer's GPUs" in done.stdout
