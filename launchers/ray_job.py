@@ -315,6 +315,7 @@ def submit_train_job(
     out: Callable[[str], None] = print,
     watchdog: Callable[[], str | None] | None = None,
     watchdog_interval_s: float = 5.0,
+    resubmits: int = 0,
 ) -> JobOutcome:
     """Submit ``python -m raygym.train <train_args>`` to the Ray cluster at ``address``.
 
@@ -322,14 +323,50 @@ def submit_train_job(
     status. ``watchdog`` is polled every ``watchdog_interval_s`` while following: when it returns a text,
     the job is stopped and that text becomes the outcome's message (the Modal launcher uses it to fail a
     run whose node stayed dead).
+
+    ``resubmits``: a job that FAILED (e.g. its trainer's node was lost) is submitted again, up to this many
+    times; every submission loads the run's own checkpoints (:func:`resumable_args`), so a resubmitted run
+    continues after its newest complete checkpoint. Its placement waits up to ``placement_timeout`` for the
+    cluster to have the GPUs again.
     """
     environ = os.environ if environ is None else environ
+    if resubmits < 0:
+        raise ConfigError(f"resubmits={resubmits}: must be >= 0")
+    if resubmits:
+        if not follow:
+            raise ConfigError("resubmits: a resubmitted job is followed to its end; drop --no-wait")
+        train_args = resumable_args(train_args)
     spec = build_job_spec(
         train_args, environ=environ, recipe=recipe, working_dir=working_dir, pip_extras=pip_extras,
         extra_env=extra_env,
     )  # fmt: skip
-    return submit_job_spec(address, spec, environ=environ, token_file=token_file, submission_id=submission_id,
-                           follow=follow, out=out, watchdog=watchdog, watchdog_interval_s=watchdog_interval_s)
+    for attempt in range(resubmits + 1):
+        outcome = submit_job_spec(address, spec, environ=environ, token_file=token_file,
+                                  submission_id=submission_id if attempt == 0 else None, follow=follow, out=out,
+                                  watchdog=watchdog, watchdog_interval_s=watchdog_interval_s)
+        if outcome.status != "FAILED" or attempt == resubmits:
+            return outcome
+        out(f"job {outcome.job_id} failed; resubmitting it to resume from its checkpoints "
+            f"(resubmission {attempt + 1} of {resubmits})")
+    raise AssertionError("unreachable")
+
+
+def resumable_args(train_args: Sequence[str]) -> list[str]:
+    """``train_args`` with ``--load`` at the run's own checkpoint directory (kept when given), so that the same
+    command, submitted again, resumes the run. The run needs a fixed place: ``--output-dir`` or ``--save``.
+
+    >>> resumable_args(["--preset", "tiny", "--output-dir", "/shared/r1"])[-2:]
+    ['--load', '/shared/r1/checkpoints']
+    """
+    args = list(train_args)
+    if any(a == "--load" or a.startswith("--load=") for a in args):
+        return args
+    if not any(a.split("=", 1)[0] in ("--output-dir", "--save") for a in args):
+        raise ConfigError("resubmits: give --output-dir (or --save) on shared storage, so that a resubmitted job "
+                          "finds the checkpoints of the one before it; without it every run gets a new directory")
+    from raygym.config import TrainConfig
+
+    return [*args, "--load", TrainConfig.from_cli_args(args).checkpoint_dir]
 
 
 def submit_eval_job(
@@ -458,6 +495,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--submission-id", default=None)
     p.add_argument("--auth-token-file", default=None, help="Ray auth token file (default: RAY_AUTH_TOKEN…)")
     p.add_argument("--no-wait", action="store_true", help="print the job id and return")
+    p.add_argument("--resubmit", type=int, default=0, metavar="N",
+                   help="submit a failed job again, up to N times, resuming from its checkpoints (needs "
+                        "--output-dir or --save on storage every node shares)")
     return p
 
 
@@ -472,9 +512,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if train_args[:1] == ["eval"]:
             if len(train_args) < 2:
                 raise ConfigError("eval: give the checkpoint: python -m launchers.ray_job eval CHECKPOINT [flags]")
+            if opts.resubmit:
+                raise ConfigError("--resubmit: only training jobs resume from checkpoints; drop it for eval")
             outcome = submit_eval_job(opts.address, train_args[1], train_args[2:], **common)
         else:
-            outcome = submit_train_job(opts.address, train_args, **common)
+            outcome = submit_train_job(opts.address, train_args, resubmits=opts.resubmit, **common)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
