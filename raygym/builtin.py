@@ -203,15 +203,49 @@ def unknown_task(uri: str, field: str = "prompt_data") -> Exception:
     return ConfigError(f"{field}={uri!r}: unknown builtin dataset; use one of {', '.join(map(repr, BUILTIN_TASKS))}")
 
 
-def materialize_dataset(uri: str, directory: str | os.PathLike, seed: int = 0, n: int = NEXT_DIGIT_ROWS) -> str:
-    """Write the builtin dataset ``uri`` as jsonl under ``directory`` and return its path."""
-    if uri not in TASK_ROWS:
+EVAL_SPLIT = "#eval"  # builtin:<task>#eval: the task's held-out eval split
+EVAL_ROWS = 64
+EVAL_SEED_OFFSET = 1_000_003  # the eval split's rows come from another seed than any training split's
+
+
+def split_task(uri: str) -> tuple[str, bool]:
+    """``(task URI, is the eval split)`` of a builtin dataset URI.
+
+    >>> split_task("builtin:next-digit#eval"), split_task("builtin:long-tail")
+    (('builtin:next-digit', True), ('builtin:long-tail', False))
+    """
+    task, sep, split = uri.partition("#")
+    if sep and split != EVAL_SPLIT[1:]:
         raise unknown_task(uri)
-    path = Path(directory) / f"{uri.removeprefix(BUILTIN_PREFIX)}-seed{seed}-n{n}.jsonl"
+    return task, bool(sep)
+
+
+def default_eval_data(prompt_data: str) -> dict[str, str]:
+    """The eval datasets a run on ``prompt_data`` gets when it names none: a builtin task's held-out split
+    (so ``raygym eval`` works on the run ``raygym train`` makes with no flags); nothing for other data.
+
+    >>> default_eval_data("builtin:next-digit"), default_eval_data("data.jsonl")
+    ({'next-digit': 'builtin:next-digit#eval'}, {})
+    """
+    if not is_builtin(prompt_data) or "#" in prompt_data:
+        return {}
+    return {prompt_data.removeprefix(BUILTIN_PREFIX): prompt_data + EVAL_SPLIT}
+
+
+def materialize_dataset(uri: str, directory: str | os.PathLike, seed: int = 0, n: int = NEXT_DIGIT_ROWS) -> str:
+    """Write the builtin dataset ``uri`` (a task, or its ``#eval`` split of :data:`EVAL_ROWS` rows drawn with
+    another seed) as jsonl under ``directory`` and return its path."""
+    task, held_out = split_task(uri)
+    if task not in TASK_ROWS:
+        raise unknown_task(uri)
+    if held_out:
+        n, seed = EVAL_ROWS, seed + EVAL_SEED_OFFSET
+    name = task.removeprefix(BUILTIN_PREFIX) + ("-eval" if held_out else "")
+    path = Path(directory) / f"{name}-seed{seed}-n{n}.jsonl"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in TASK_ROWS[uri](n, seed)))
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in TASK_ROWS[task](n, seed)))
         os.replace(tmp, path)
     return str(path)
 

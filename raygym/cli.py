@@ -132,7 +132,7 @@ def _print_plan(cfg: TrainConfig, cluster: str | None = None) -> None:
         alloc = cfg.recipe.gpu_allocation()
     table = Table(title="GPU allocation")
     for column in ("role", "node / GPUs", "note"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for row in allocation_rows(alloc):
         table.add_row(*row)
     console.print(table)
@@ -298,7 +298,7 @@ def render_assignments(assignments: Sequence[BundleAssignment]) -> Any:
     table = Table(title="raygym placement")
     for col in ("node", "ip", "gpu", "role", "rank", "engine: gpus", "share", "bundle"):
         numeric = col in ("gpu", "rank", "share", "bundle")
-        table.add_column(col, justify="right" if numeric else "left", no_wrap=col in ("ip", "role"))
+        table.add_column(col, justify="right" if numeric else "left", no_wrap=col in ("ip", "role"), overflow="fold")
     order = sorted(assignments, key=lambda a: (ip_sort_key(a.ip), a.node_id, a.gpu_id, ROLES.index(a.role)))
     for a in order:
         engine = "" if a.engine_index is None else f"{a.engine_index}: {','.join(map(str, a.engine_gpu_ids))}"

@@ -355,14 +355,17 @@ def dataset_from_config(cfg: TrainConfig, tokenizer: Any, cache_dir: str | None 
 
 def eval_dataset_urls(cfg: TrainConfig) -> dict[str, str]:
     """name -> URL of the eval datasets: ``cfg.dataset.eval_prompt_data`` plus ``recipe.eval_config["datasets"]``
-    (a list of ``{"name", "path"}``)."""
+    (a list of ``{"name", "path"}``); when neither names one and the run trains on a builtin task, that task's
+    held-out split (``builtin:<task>#eval``)."""
+    from raygym.builtin import default_eval_data
+
     urls = dict(cfg.dataset.eval_prompt_data)
     eval_config = cfg.recipe.eval_config or {}
     for entry in eval_config.get("datasets", []):
         if not isinstance(entry, Mapping) or "name" not in entry or "path" not in entry:
             raise ConfigError(f"eval_config datasets entry {entry!r}: needs 'name' and 'path'")
         urls[str(entry["name"])] = str(entry["path"])
-    return urls
+    return urls or default_eval_data(cfg.dataset.prompt_data)
 
 
 def load_eval_datasets(

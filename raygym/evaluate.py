@@ -249,15 +249,18 @@ def _finite(value: Any) -> Any:
 
 
 def render_table(table: Sequence[Mapping[str, Any]], title: str) -> Any:
-    """The terminal table: one row per dataset (a rich Table)."""
+    """The printed table (a rich Table): one row per metric, one column per dataset, so it stays narrow in a
+    log or pipe; a cell that still does not fit wraps onto the next line, whole, never cut to ``…``."""
     from rich.table import Table
 
     out = Table(title=title)
-    columns = list(table[0]) if table else ["dataset"]
-    for column in columns:
-        out.add_column(column, justify="left" if column == "dataset" else "right")
+    out.add_column("metric", justify="left", overflow="fold")
     for row in table:
-        out.add_row(*(f"{v:.4f}" if isinstance(v, float) else str(v) for v in row.values()))
+        out.add_column(str(row.get("dataset", "")), justify="right", overflow="fold")
+    metrics = [key for key in (table[0] if table else {}) if key != "dataset"]
+    for key in metrics:
+        out.add_row(key, *(f"{row[key]:.4f}" if isinstance(row.get(key), float) else str(row.get(key, ""))
+                           for row in table))
     return out
 
 

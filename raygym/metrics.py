@@ -338,8 +338,8 @@ def summary_table(history: Sequence[Mapping[str, Any]], title: str = "raygym run
     from rich.table import Table
 
     table = Table(title=title, caption=note, caption_justify="left")
-    for col in ("metric", "first", "last", "min", "max"):
-        table.add_column(col, justify="right" if col != "metric" else "left")
+    for col in ("metric", "first", "last", "min", "max"):  # a cell that does not fit wraps, whole (never "…")
+        table.add_column(col, justify="right" if col != "metric" else "left", overflow="fold")
     present = {k for r in history for k in r}
     keys = [k for k in SUMMARY_KEYS if k in present]
     components = sorted(k for k in present if k.startswith("rollout/reward/"))

@@ -34,12 +34,13 @@ class RunFacts:
 
 
 def _check_dataset(url: str, cfg: TrainConfig, field_name: str) -> DataSummary:
-    from raygym.builtin import BUILTIN_TASKS, NEXT_DIGIT_ROWS, is_builtin, unknown_task
+    from raygym.builtin import BUILTIN_TASKS, EVAL_ROWS, NEXT_DIGIT_ROWS, is_builtin, split_task, unknown_task
 
     if is_builtin(url):
-        if url not in BUILTIN_TASKS:
+        task, held_out = split_task(url)
+        if task not in BUILTIN_TASKS:
             raise unknown_task(url, field_name)
-        return DataSummary(url, NEXT_DIGIT_ROWS, True, ("prompt", "label"))
+        return DataSummary(url, EVAL_ROWS if held_out else NEXT_DIGIT_ROWS, True, ("prompt", "label"))
     generated = _check_generated_dataset(url, cfg, field_name)
     if generated is not None:
         return generated

@@ -77,8 +77,9 @@ def test_plan_reuses_the_run_config_then_the_flags(run_dir, tmp_path):
     assert (plan.rollout_id, plan.output_dir, plan.cfg.recipe.n_samples_per_eval_prompt) == (2, "o", 8)
     assert plan.cfg.recipe.seed == 77
 
-    with pytest.raises(ConfigError, match="no eval data"):
-        plan_eval(str(run_dir), ["--eval-prompt-data", "{}"])  # the flag empties the run's eval datasets
+    # the flag empties the run's eval datasets: a run on the builtin task falls back on its held-out split
+    plan = plan_eval(str(run_dir), ["--eval-prompt-data", "{}"])
+    assert plan.datasets == {"next-digit": "builtin:next-digit#eval"}
     with pytest.raises(ConfigError, match="step"):
         plan_eval(str(run_dir), ["--step", "x"])
 
@@ -113,3 +114,37 @@ def test_summarize_adds_unbiased_pass_at_k():
                       "pass@2": extra["eval/d/pass@2"], "pass@4": 2 / 3, "response_len_mean": 2.0,
                       "truncated_frac": 0.0}]
     assert pass_ks(16) == [1, 2, 4, 8, 16]
+
+
+def test_the_builtin_task_has_a_held_out_eval_split_used_by_default(tmp_path):
+    from raygym.builtin import materialize_dataset
+    from raygym.config import TrainConfig
+    from raygym.data import eval_dataset_urls
+
+    cfg = TrainConfig.from_cli_args([])  # what `raygym train` with no flags runs
+    assert eval_dataset_urls(cfg) == {"next-digit": "builtin:next-digit#eval"}
+    train_rows = materialize_dataset("builtin:next-digit", tmp_path)
+    eval_rows = materialize_dataset("builtin:next-digit#eval", tmp_path)
+    assert train_rows != eval_rows and len(open(eval_rows).read().splitlines()) == 64
+    named = TrainConfig.from_cli_args(["--eval-prompt-data", '{"mine": "x.jsonl"}'])
+    assert eval_dataset_urls(named) == {"mine": "x.jsonl"}  # named eval data replaces the default
+    own = TrainConfig.from_cli_args(["--prompt-data", "x.jsonl", "--rm-type", "exact"])
+    assert eval_dataset_urls(own) == {}  # other data has no split to hold out: raygym eval asks for one
+
+
+def test_the_eval_table_never_cuts_a_number_in_a_narrow_pipe():
+    import io
+
+    from rich.console import Console
+
+    from raygym.evaluate import render_table
+
+    rows = [{"dataset": "next-digit-with-a-long-name", "prompts": 64, "reward_mean": 0.123456789,
+             "pass@1": 0.0456, "response_len_mean": 7.4375}]
+    out = io.StringIO()
+    Console(file=out, width=30, force_terminal=False).print(render_table(rows, "eval"))
+    text = out.getvalue()
+    assert "…" not in text
+    flat = text.replace("│", "").replace("\n", "").replace(" ", "")
+    for value in ("0.1235", "0.0456", "7.4375", "64"):
+        assert value in flat, text
