@@ -214,22 +214,23 @@ class Loop:
         """Old log-probs (and PPO's values), advantages and the optimizer steps of one rollout."""
         import ray
 
-        from raygym.algo.mismatch import batch_mismatch, mismatch_by_age
+        from raygym.algo.mismatch import batch_mismatch
         from raygym.trainer.actor import PackedBatch
         from raygym.trainer.batch import TrainBatch
 
         recipe = self.recipe
         self.colocation.before_train(step, timer)
         batch = TrainBatch.from_samples(samples, group_size=recipe.n_samples_per_prompt)
+        if recipe.fully_async:  # the mismatch is split by each token's age (by the driver or the trainer)
+            batch = batch.with_token_ages([[self.version - v for v in (s.token_versions or
+                                                                       [s.weight_version] * s.response_length)]
+                                           for s in samples], recipe.max_staleness + 1)
         policy_ranks = self.graph.trainers.handles
         critic_ranks = self.graph.critics.handles if self.graph.critics is not None else []
         with timer.phase("log_probs"):
             # Old log-probs are redundant with one optimizer step per rollout (the trainer then uses its own
             # detached ones); PPO's critic values the old states for GAE. Both passes run at the same time.
-            # A fully asynchronous run computes them anyway: the proximal policy its corrections and its
-            # mismatch-by-staleness metrics compare the rollout with.
-            single = self.graph.single_pass_log_probs and not recipe.fully_async
-            old_pass = [] if single else policy_ranks
+            old_pass = [] if self.graph.single_pass_log_probs else policy_ranks
             if old_pass or critic_ranks:
                 ref = ray.put(PackedBatch.pack(batch))  # one object for every rank, a few flat tensors
                 log_probs = [h.compute_log_probs.remote(ref, step) for h in old_pass]
@@ -239,10 +240,6 @@ class Loop:
                 if values:
                     batch = batch.with_log_probs(ray.get(values)[0])
         mismatch = batch_mismatch(batch)  # engine vs trainer log-probs (single-pass trainers report their own)
-        if recipe.fully_async:
-            ages = [[self.version - v for v in (s.token_versions or [s.weight_version] * s.response_length)]
-                    for s in samples]
-            mismatch.update(mismatch_by_age(batch, ages, recipe.max_staleness))
         batch = batch.with_advantages(recipe.advantage_estimator, kl_coef=recipe.kl_coef, gamma=recipe.gamma,
                                       lambd=recipe.lambd)
         if recipe.distill_teacher_checkpoint:  # on-policy distillation (raygym/distill.py)

@@ -29,70 +29,87 @@ MEAN, MAX = "rollout/logprob_mismatch_mean", "rollout/logprob_mismatch_max"
 
 class MismatchTally:
     """Sum, count and maximum of ``|engine - trainer|`` over masked tokens, accumulated over micro-batches
-    (and, with :meth:`all_reduce`, over data-parallel ranks)."""
+    (and, with :meth:`all_reduce`, over data-parallel ranks). With ``ages`` > 0 it also keeps one tally per
+    token age 0 .. ``ages - 1`` (how many policy versions older than the trainer the token's engine was; fully
+    asynchronous runs), reported as ``<metric>/staleness_<k>``.
 
-    def __init__(self) -> None:
+    >>> t = MismatchTally(ages=2)
+    >>> t.add(torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]]), torch.ones(1, 2), torch.tensor([[1, 0]]))
+    >>> t.metrics()["rollout/logprob_mismatch_mean/staleness_1"], t.metrics()["rollout/logprob_mismatch_mean/staleness_0"]
+    (0.5, 0.0)
+    """
+
+    def __init__(self, ages: int = 0) -> None:
+        self.ages = ages
         self.total = 0.0
         self.count = 0.0
         self.max = 0.0
+        self.by_age = torch.zeros(ages, 3, dtype=torch.float64)  # per age: total, count, max
 
-    def add(self, engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> None:
-        """Padded ``[b, T]`` log-probs of the engine and the trainer, and the ``[b, T]`` loss mask."""
+    def add(self, engine: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor,
+            ages: torch.Tensor | None = None) -> None:
+        """Padded ``[b, T]`` log-probs of the engine and the trainer, the ``[b, T]`` loss mask and, when the
+        tally keeps ages, the ``[b, T]`` age of each token (ages past the last fold into it)."""
         keep = mask.detach().float() > 0
         if not bool(keep.any()):
             return
-        diff = (engine.detach().float() - trainer.detach().float()).abs()[keep]
+        diff_all = (engine.detach().float() - trainer.detach().float()).abs()
+        diff = diff_all[keep]
         self.total += float(diff.sum())
         self.count += float(diff.numel())
         self.max = max(self.max, float(diff.max()))
+        if self.ages and ages is not None:
+            folded = ages.to(diff_all.device).clamp(0, self.ages - 1)
+            for k in range(self.ages):
+                part = diff_all[keep & (folded == k)]
+                if part.numel():
+                    row = self.by_age[k]
+                    row[0] += float(part.sum())
+                    row[1] += float(part.numel())
+                    row[2] = max(float(row[2]), float(part.max()))
 
     def add_rows(self, engine: Sequence[torch.Tensor], trainer: Sequence[torch.Tensor],
-                 masks: Sequence[torch.Tensor]) -> None:
-        """Per-sample 1-D rows (a ``TrainBatch``'s ``rollout_log_probs``, ``old_log_probs``, ``loss_masks``)."""
-        for e, t, m in zip(engine, trainer, masks, strict=True):
-            self.add(e[None], t[None], m[None])
+                 masks: Sequence[torch.Tensor], ages: Sequence[torch.Tensor] | None = None) -> None:
+        """Per-sample 1-D rows (a ``TrainBatch``'s ``rollout_log_probs``, ``old_log_probs``, ``loss_masks`` and
+        ``token_ages``)."""
+        for i, (e, t, m) in enumerate(zip(engine, trainer, masks, strict=True)):
+            self.add(e[None], t[None], m[None], None if ages is None else ages[i][None])
 
     def all_reduce(self, device: torch.device | str = "cpu", group: object = None) -> None:
         """Combine the tallies of every rank of ``group`` (torch.distributed must be initialised; ``device``:
         where the group's backend reduces, cuda for NCCL)."""
         import torch.distributed as dist
 
-        sums = torch.tensor([self.total, self.count], dtype=torch.float64, device=device)
-        peak = torch.tensor([self.max], dtype=torch.float64, device=device)
+        sums = torch.cat([torch.tensor([self.total, self.count], dtype=torch.float64),
+                          self.by_age[:, :2].reshape(-1)]).to(device)
+        peaks = torch.cat([torch.tensor([self.max], dtype=torch.float64), self.by_age[:, 2]]).to(device)
         dist.all_reduce(sums, group=group)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        self.total, self.count, self.max = float(sums[0]), float(sums[1]), float(peak[0])
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX, group=group)
+        sums, peaks = sums.cpu(), peaks.cpu()
+        self.total, self.count, self.max = float(sums[0]), float(sums[1]), float(peaks[0])
+        if self.ages:
+            self.by_age[:, :2] = sums[2:].reshape(self.ages, 2)
+            self.by_age[:, 2] = peaks[1:]
 
     def metrics(self) -> dict[str, float]:
-        """The two metrics; empty when no token was compared."""
+        """The two metrics (and per age, where tokens of that age were seen); empty when no token was
+        compared."""
         if self.count == 0:
             return {}
-        return {MEAN: self.total / self.count, MAX: self.max}
+        out = {MEAN: self.total / self.count, MAX: self.max}
+        for k in range(self.ages):
+            total, count, peak = (float(v) for v in self.by_age[k])
+            if count:
+                out[f"{MEAN}/staleness_{k}"] = total / count
+                out[f"{MAX}/staleness_{k}"] = peak
+        return out
 
 
 def batch_mismatch(batch: TrainBatch) -> dict[str, float]:
-    """The metrics of a ``TrainBatch`` that carries both rollout and old log-probs (else ``{}``)."""
+    """The metrics of a ``TrainBatch`` that carries both rollout and old log-probs (else ``{}``); split by
+    token age when the batch carries ``token_ages``."""
     if batch.rollout_log_probs is None or batch.old_log_probs is None:
         return {}
-    tally = MismatchTally()
-    tally.add_rows(batch.rollout_log_probs, batch.old_log_probs, batch.loss_masks)
+    tally = MismatchTally(batch.age_buckets if batch.token_ages is not None else 0)
+    tally.add_rows(batch.rollout_log_probs, batch.old_log_probs, batch.loss_masks, batch.token_ages)
     return tally.metrics()
-
-
-def mismatch_by_age(batch: TrainBatch, token_ages: Sequence[Sequence[int]], max_age: int) -> dict[str, float]:
-    """The mismatch split by how many policy versions old each token is when trained (``token_ages``: per
-    sample, per response token; fully asynchronous runs): ``rollout/logprob_mismatch_mean/staleness_<k>`` and
-    ``_max/staleness_<k>`` for every age ``k`` seen (ages above ``max_age`` fold into ``max_age``)."""
-    if batch.rollout_log_probs is None or batch.old_log_probs is None:
-        return {}
-    tallies: dict[int, MismatchTally] = {}
-    for engine, trainer, mask, ages in zip(batch.rollout_log_probs, batch.old_log_probs, batch.loss_masks,
-                                           token_ages, strict=True):
-        age = torch.tensor([min(a, max_age) for a in ages], dtype=torch.int64)
-        for k in sorted(set(age.tolist())):
-            tallies.setdefault(k, MismatchTally()).add(engine[None], trainer[None], (mask * (age == k))[None])
-    out: dict[str, float] = {}
-    for k, tally in sorted(tallies.items()):
-        for name, value in tally.metrics().items():
-            out[f"{name}/staleness_{k}"] = value
-    return out

@@ -49,6 +49,10 @@ class TrainBatch:
     ref_log_probs: list[torch.Tensor] | None = None
     returns: list[torch.Tensor] | None = None
     values: list[torch.Tensor] | None = None
+    # fully asynchronous runs: how many policy versions older than the trainer each response token's engine was,
+    # for the log-prob mismatch split by staleness (ages 0 .. age_buckets - 1; older ones fold into the last)
+    token_ages: list[torch.Tensor] | None = None
+    age_buckets: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -113,6 +117,10 @@ class TrainBatch:
     def shard(self, rank: int, world: int, balance: bool = False) -> TrainBatch:
         """Rank ``rank``'s share of the batch (``balance`` = the ``balance_data`` field)."""
         return self.select(self.shard_indices(rank, world, balance))
+
+    def with_token_ages(self, ages: Sequence[Sequence[int]], buckets: int) -> TrainBatch:
+        """Copy carrying each response token's age (``ages``: per sample, per response token)."""
+        return replace(self, token_ages=[torch.tensor(list(a), dtype=torch.int64) for a in ages], age_buckets=buckets)
 
     def with_log_probs(self, result: Mapping[str, list[torch.Tensor]]) -> TrainBatch:
         """Copy with ``old_log_probs`` / ``ref_log_probs`` / ``values`` from ``compute_log_probs``'s result."""

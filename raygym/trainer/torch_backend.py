@@ -399,7 +399,7 @@ class TorchBackend(TrainerBackend):
                 f"global_batch_size={s.global_batch_size}: must be a multiple of the {self.world_size} trainer ranks"
             )
         batch = call_hook(s, "custom_megatron_before_train_step_hook", rollout_id, batch)
-        self._mismatch = MismatchTally()
+        self._mismatch = MismatchTally(batch.age_buckets if batch.token_ages is not None else 0)
         self.model.train()
         per_step, grad_norms, lrs = [], [], []
         for step_indices in optimizer_step_slices(len(batch), s.global_batch_size):
@@ -489,7 +489,8 @@ class TorchBackend(TrainerBackend):
             return None if rows is None else pad(rows)
 
         if mb.old_log_probs is None and mb.rollout_log_probs is not None:  # single pass: old = detached logp
-            self._mismatch.add(pad(mb.rollout_log_probs), logp.detach(), pad(mb.loss_masks))
+            self._mismatch.add(pad(mb.rollout_log_probs), logp.detach(), pad(mb.loss_masks),
+                               None if mb.token_ages is None else pad(mb.token_ages).long())
         return rl_loss(
             logp, padded(mb.old_log_probs), pad(mb.advantages), pad(mb.loss_masks), entropy=entropy,
             config=cfg, ref_log_probs=padded(mb.ref_log_probs), rollout_log_probs=padded(mb.rollout_log_probs),

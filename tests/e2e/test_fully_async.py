@@ -44,6 +44,10 @@ def test_fully_async_learns_with_bounded_staleness(ray_local, tmp_path):
         assert r["sync/verified_tensors"] > 0 and r["sync/resynced"] == 0.0  # every update checked by checksum
         assert r["rollout/staleness_mean"] <= r["rollout/staleness_max"]
         assert abs(sum(r[f"rollout/staleness_{k}_frac"] for k in range(K + 1)) - 1.0) < 1e-9
+        oldest = int(r["rollout/staleness_max"])  # the mismatch is split by token age (the trainer tallies it)
+        assert f"rollout/logprob_mismatch_mean/staleness_{oldest}" in r, sorted(k for k in r if "mismatch" in k)
+        # tokens the trainer's current weights generated match its own log-probs (fp32 engine and trainer)
+        assert r.get("rollout/logprob_mismatch_max/staleness_0", 0.0) < 1e-3
     assert max(r["rollout/staleness_max"] for r in rows) >= 1  # it did run ahead of the trainer
     keys = [k for line in (tmp_path / "run" / "prompts.jsonl").read_text().splitlines()
             for k in json.loads(line)["prompt_key"]]
