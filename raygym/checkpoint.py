@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
-import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -42,25 +40,23 @@ from typing import Any
 import fsspec
 import torch
 
+from raygym.checkpoint_files import (
+    FORMAT,
+    HF_SIDE_FILES,
+    ITER_RE,
+    MANIFEST,
+    is_local,
+    iter_dir_name,
+    join_url,
+    read_manifest,
+    write_bytes_atomic,
+    write_extra_and_hf_files,
+)
 from raygym.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-FORMAT = "raygym-checkpoint/1"
-ITER_RE = re.compile(r"^iter_(\d{7,})$")
-HF_SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "added_tokens.json",
-)
+
 
 
 @dataclass(frozen=True)
@@ -78,46 +74,6 @@ class LoadedCheckpoint:
     trainer_state: dict[str, Any]
     extra: dict[str, Any]
     path: str
-
-
-def iter_dir_name(rollout_id: int) -> str:
-    return f"iter_{rollout_id:07d}"
-
-
-def _join(base: str, *parts: str) -> str:
-    return "/".join([base.rstrip("/"), *parts])
-
-
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol in ("file", "local")
-
-
-def _write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """Local disks: temp file then rename; object stores write whole objects, so a plain write."""
-    if _is_local(fs):
-        tmp = f"{path}.tmp{os.getpid()}"
-        with fs.open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    else:
-        with fs.open(path, "wb") as f:
-            f.write(data)
-
-
-def write_extra_and_hf_files(fs: fsspec.AbstractFileSystem, path: str, extra: dict[str, Any] | None,
-                             hf_source: str | None) -> None:
-    """A checkpoint's ``extra.json`` and, from the HF directory ``hf_source``, its config and tokenizer
-    files under ``hf/`` (both checkpoint formats write these the same way)."""
-    with fs.open(_join(path, "extra.json"), "w") as f:
-        json.dump(extra or {}, f)
-    if hf_source:
-        fs.makedirs(_join(path, "hf"), exist_ok=True)
-        for name in HF_SIDE_FILES:
-            src = Path(hf_source) / name
-            if src.exists():
-                with fs.open(_join(path, "hf", name), "wb") as f:
-                    f.write(src.read_bytes())
 
 
 def _torch_save(fs: fsspec.AbstractFileSystem, path: str, obj: Any) -> None:
@@ -175,14 +131,14 @@ def save_checkpoint(
     tokenizer files are copied into ``hf/`` (for ``export_hf``).
     """
     fs, root = fsspec.core.url_to_fs(dir_url)
-    path = _join(root, iter_dir_name(rollout_id))
-    if fs.exists(_join(path, MANIFEST)):
-        fs.rm(_join(path, MANIFEST))  # overwriting: the old manifest must not vouch for new files
+    path = join_url(root, iter_dir_name(rollout_id))
+    if fs.exists(join_url(path, MANIFEST)):
+        fs.rm(join_url(path, MANIFEST))  # overwriting: the old manifest must not vouch for new files
     fs.makedirs(path, exist_ok=True)
-    _torch_save(fs, _join(path, "model.pt"), model_state)
+    _torch_save(fs, join_url(path, "model.pt"), model_state)
     if optimizer_state is not None:
-        _torch_save(fs, _join(path, "optimizer.pt"), optimizer_state)
-    _torch_save(fs, _join(path, "trainer_state.pt"), trainer_state or {})
+        _torch_save(fs, join_url(path, "optimizer.pt"), optimizer_state)
+    _torch_save(fs, join_url(path, "trainer_state.pt"), trainer_state or {})
     write_extra_and_hf_files(fs, path, extra, hf_source)
     files = {}
     for entry in fs.find(path):
@@ -196,24 +152,8 @@ def save_checkpoint(
         "files": files,
         "created": time.time(),
     }
-    _write_bytes_atomic(fs, _join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
-    return fs.unstrip_protocol(path) if not _is_local(fs) else path
-
-
-def _read_manifest(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any] | None:
-    mpath = _join(path, MANIFEST)
-    if not fs.exists(mpath):
-        return None
-    try:
-        with fs.open(mpath, "r") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        return None
-    for rel, size in manifest.get("files", {}).items():
-        full = _join(path, rel)
-        if not fs.exists(full) or int(fs.size(full)) != int(size):
-            return None
-    return manifest
+    write_bytes_atomic(fs, join_url(path, MANIFEST), json.dumps(manifest, indent=1).encode())
+    return fs.unstrip_protocol(path) if not is_local(fs) else path
 
 
 def list_checkpoints(dir_url: str) -> list[CheckpointInfo]:
@@ -227,11 +167,11 @@ def list_checkpoints(dir_url: str) -> list[CheckpointInfo]:
         match = ITER_RE.match(name)
         if not match or not fs.isdir(entry):
             continue
-        manifest = _read_manifest(fs, entry)
+        manifest = read_manifest(fs, entry)
         if manifest is None:
             log.warning("checkpoint %s is incomplete (no valid manifest); ignoring it", entry)
             continue
-        url = entry if _is_local(fs) else fs.unstrip_protocol(entry)
+        url = entry if is_local(fs) else fs.unstrip_protocol(entry)
         found.append(CheckpointInfo(url, int(match.group(1)), manifest))
     return sorted(found, key=lambda c: c.rollout_id)
 
@@ -246,10 +186,10 @@ def load_checkpoint(path: str, *, load_optimizer: bool = True) -> LoadedCheckpoi
     """Read one checkpoint directory (a ``CheckpointInfo.path``) whole, in this process, whatever its
     format and the world size that wrote it. ``load_optimizer=False`` = ``no_load_optim``."""
     fs, root = fsspec.core.url_to_fs(path)
-    manifest = _read_manifest(fs, root)
+    manifest = read_manifest(fs, root)
     if manifest is None:
         raise ConfigError(f"load={path!r}: not a complete raygym checkpoint (missing or invalid {MANIFEST})")
-    with fs.open(_join(root, "extra.json"), "r") as f:
+    with fs.open(join_url(root, "extra.json"), "r") as f:
         extra = json.load(f)
     if manifest.get("format") != FORMAT:
         from raygym.sharded_checkpoint import read_full_sharded
@@ -258,12 +198,12 @@ def load_checkpoint(path: str, *, load_optimizer: bool = True) -> LoadedCheckpoi
         return LoadedCheckpoint(int(manifest["rollout_id"]), model, optim, trainer_state, extra, path)
     optim = None
     if load_optimizer and manifest.get("has_optimizer"):
-        optim = _torch_load(fs, _join(root, "optimizer.pt"))
+        optim = _torch_load(fs, join_url(root, "optimizer.pt"))
     return LoadedCheckpoint(
         rollout_id=int(manifest["rollout_id"]),
-        model_state=_torch_load(fs, _join(root, "model.pt")),
+        model_state=_torch_load(fs, join_url(root, "model.pt")),
         optimizer_state=optim,
-        trainer_state=_torch_load(fs, _join(root, "trainer_state.pt")),
+        trainer_state=_torch_load(fs, join_url(root, "trainer_state.pt")),
         extra=extra,
         path=path,
     )
@@ -294,7 +234,7 @@ def write_hf_model(model_state: dict[str, torch.Tensor], hf_source: str, out_url
         model = _load_file_named_state(model_state, hf_source)
     model.tie_weights()  # ties only what the config declares tied (tie_word_embeddings)
     fs, root = fsspec.core.url_to_fs(out_url)
-    local = _is_local(fs)
+    local = is_local(fs)
     target = root if local else tempfile.mkdtemp(prefix="raygym-hf-")
     model.save_pretrained(target, safe_serialization=True)
     for name in HF_SIDE_FILES:
@@ -321,7 +261,7 @@ def checkpoint_to_export(checkpoint_dir: str) -> tuple[str, int]:
     """(path, step) of the checkpoint ``raygym export`` reads: ``checkpoint_dir`` itself when it is one,
     else the newest complete ``iter_*`` under it."""
     fs, root = fsspec.core.url_to_fs(checkpoint_dir)
-    manifest = _read_manifest(fs, root)
+    manifest = read_manifest(fs, root)
     if manifest is not None:
         return checkpoint_dir, int(manifest["rollout_id"])
     info = latest_checkpoint(checkpoint_dir)
@@ -360,8 +300,8 @@ def export_hf(checkpoint_dir: str, out_dir: str) -> str:
     ckpt = load_checkpoint(path, load_optimizer=False)
     fs, croot = fsspec.core.url_to_fs(path)
     with tempfile.TemporaryDirectory(prefix="raygym-hfsrc-") as src:
-        hf_dir = _join(croot, "hf")
-        if not fs.exists(_join(hf_dir, "config.json")):
+        hf_dir = join_url(croot, "hf")
+        if not fs.exists(join_url(hf_dir, "config.json")):
             raise ConfigError(f"checkpoint_dir={path!r}: has no hf/config.json; it cannot be exported to HF")
         for entry in fs.ls(hf_dir, detail=False):
             with fs.open(entry, "rb") as f:
@@ -377,10 +317,10 @@ def checkpoint_adapter(path: str) -> str | None:
     from raygym.lora import ADAPTER_CONFIG, ADAPTER_DIR
 
     fs, root = fsspec.core.url_to_fs(path)
-    adapter = _join(root, ADAPTER_DIR)
-    if not fs.exists(_join(adapter, ADAPTER_CONFIG)):
+    adapter = join_url(root, ADAPTER_DIR)
+    if not fs.exists(join_url(adapter, ADAPTER_CONFIG)):
         return None
-    return adapter if _is_local(fs) else fs.unstrip_protocol(adapter)
+    return adapter if is_local(fs) else fs.unstrip_protocol(adapter)
 
 
 def write_adapter_files(files: dict[str, bytes], hf_source: str, out_url: str) -> str:
@@ -389,12 +329,12 @@ def write_adapter_files(files: dict[str, bytes], hf_source: str, out_url: str) -
     fs, root = fsspec.core.url_to_fs(out_url)
     fs.makedirs(root, exist_ok=True)
     for name, data in files.items():
-        _write_bytes_atomic(fs, _join(root, name), data)
+        write_bytes_atomic(fs, join_url(root, name), data)
     for name in HF_SIDE_FILES:
         src = Path(hf_source) / name
         if name not in ("config.json", "generation_config.json") and src.exists():
-            _write_bytes_atomic(fs, _join(root, name), src.read_bytes())
-    return root if _is_local(fs) else fs.unstrip_protocol(root)
+            write_bytes_atomic(fs, join_url(root, name), src.read_bytes())
+    return root if is_local(fs) else fs.unstrip_protocol(root)
 
 
 def _read_dir(url: str) -> dict[str, bytes]:
@@ -417,7 +357,7 @@ def export_adapter(checkpoint_dir: str, out_dir: str) -> str:
                           "raygym export CHECKPOINT OUT")
     files = _read_dir(adapter)
     with tempfile.TemporaryDirectory(prefix="raygym-hfsrc-") as src:
-        for name, data in _read_dir(_join(path, "hf")).items():
+        for name, data in _read_dir(join_url(path, "hf")).items():
             Path(src, name).write_bytes(data)
         return write_adapter_files(files, src, out_dir)
 
@@ -429,7 +369,7 @@ def adapter_base(adapter_dir: str, base: str | None = None) -> str:
     from raygym.lora import ADAPTER_CONFIG
 
     fs, root = fsspec.core.url_to_fs(adapter_dir)
-    with fs.open(_join(root, ADAPTER_CONFIG), "r") as f:
+    with fs.open(join_url(root, ADAPTER_CONFIG), "r") as f:
         named = str(json.load(f).get("base_model_name_or_path") or "")
     source = base or named
     path = resolve_model_path(source) if is_builtin(source) else source
@@ -454,6 +394,6 @@ def export_merged(checkpoint_dir: str, out_dir: str, base: str | None = None) ->
             Path(local, name).write_bytes(data)
         state = merge_into_base(adapter_base(local, base), local)
         with tempfile.TemporaryDirectory(prefix="raygym-hfsrc-") as src:
-            for name, data in _read_dir(_join(path, "hf")).items():
+            for name, data in _read_dir(join_url(path, "hf")).items():
                 Path(src, name).write_bytes(data)
             return write_hf_model(state, src, out_dir)

@@ -41,14 +41,14 @@ from typing import Any
 import fsspec
 import torch
 
-from raygym.checkpoint import (
+from raygym.checkpoint_files import (
     FORMAT,
     MANIFEST,
-    _is_local,
-    _join,
-    _read_manifest,
-    _write_bytes_atomic,
+    is_local,
     iter_dir_name,
+    join_url,
+    read_manifest,
+    write_bytes_atomic,
     write_extra_and_hf_files,
 )
 from raygym.errors import ConfigError
@@ -99,29 +99,29 @@ def save_sharded(
     import torch.distributed.checkpoint as dcp
 
     fs, root = fsspec.core.url_to_fs(dir_url)
-    path = _join(root, iter_dir_name(rollout_id))
-    url = path if _is_local(fs) else fs.unstrip_protocol(path)
+    path = join_url(root, iter_dir_name(rollout_id))
+    url = path if is_local(fs) else fs.unstrip_protocol(path)
     if rank == 0:
         if fs.exists(path):  # overwriting: no old manifest may vouch for new files, no old shard may linger
-            if fs.exists(_join(path, MANIFEST)):
-                fs.rm(_join(path, MANIFEST))
+            if fs.exists(join_url(path, MANIFEST)):
+                fs.rm(join_url(path, MANIFEST))
             fs.rm(path, recursive=True)
-        fs.makedirs(_join(path, TRAINER_STATE_DIR), exist_ok=True)
+        fs.makedirs(join_url(path, TRAINER_STATE_DIR), exist_ok=True)
     _barrier(world_size)
     buf = io.BytesIO()
     torch.save({"schedule": state.schedule, "rng": state.rng}, buf)
-    with fs.open(_join(path, _rank_file(rank)), "wb") as f:
+    with fs.open(join_url(path, _rank_file(rank)), "wb") as f:
         f.write(buf.getvalue())
     tensors: dict[str, Any] = {"model": state.model}
     if state.optimizer is not None:
         tensors["optimizer"] = state.optimizer
     # DCP's last step is collective: when it returns, every rank's files and the metadata are written.
     with _dcp_call(world_size) as kwargs:
-        dcp.save(tensors, checkpoint_id=_join(url, DCP_DIR), **kwargs)
+        dcp.save(tensors, checkpoint_id=join_url(url, DCP_DIR), **kwargs)
     if rank == 0:
         for rel, data in state.files.items():  # e.g. a LoRA run's adapter/ (PEFT's files), listed by the manifest
-            fs.makedirs(_join(path, *rel.split("/")[:-1]), exist_ok=True)
-            with fs.open(_join(path, rel), "wb") as f:
+            fs.makedirs(join_url(path, *rel.split("/")[:-1]), exist_ok=True)
+            with fs.open(join_url(path, rel), "wb") as f:
                 f.write(data)
         _finish(fs, path, rollout_id, world_size, state.optimizer is not None, extra, hf_source)
     _barrier(world_size)
@@ -152,13 +152,13 @@ def _finish(
         "files": files,
         "created": time.time(),
     }
-    _write_bytes_atomic(fs, _join(path, MANIFEST), json.dumps(manifest, indent=1).encode())
+    write_bytes_atomic(fs, join_url(path, MANIFEST), json.dumps(manifest, indent=1).encode())
 
 
 def checkpoint_format(path: str) -> str:
     """The manifest's format of a complete checkpoint directory (ConfigError when it is not one)."""
     fs, root = fsspec.core.url_to_fs(path)
-    manifest = _read_manifest(fs, root)
+    manifest = read_manifest(fs, root)
     if manifest is None:
         raise ConfigError(f"load={path!r}: not a complete raygym checkpoint (missing or invalid {MANIFEST})")
     return str(manifest.get("format", FORMAT))
@@ -175,7 +175,7 @@ def load_sharded(
     import torch.distributed.checkpoint as dcp
 
     fs, root = fsspec.core.url_to_fs(path)
-    manifest = _read_manifest(fs, root)
+    manifest = read_manifest(fs, root)
     if manifest is None or manifest.get("format") != FORMAT_SHARDED:
         raise ConfigError(f"load={path!r}: not a complete {FORMAT_SHARDED} checkpoint")
     if not manifest.get("has_optimizer"):
@@ -188,11 +188,11 @@ def load_sharded(
     tensors: dict[str, Any] = {"model": template.model}
     if template.optimizer is not None:
         tensors["optimizer"] = template.optimizer
-    url = path if _is_local(fs) else fs.unstrip_protocol(root)
+    url = path if is_local(fs) else fs.unstrip_protocol(root)
     with _dcp_call(world_size) as kwargs:
-        dcp.load(tensors, checkpoint_id=_join(url, DCP_DIR), **kwargs)
-    saved_rank = rank if fs.exists(_join(root, _rank_file(rank))) else 0
-    with fs.open(_join(root, _rank_file(saved_rank)), "rb") as f:
+        dcp.load(tensors, checkpoint_id=join_url(url, DCP_DIR), **kwargs)
+    saved_rank = rank if fs.exists(join_url(root, _rank_file(rank))) else 0
+    with fs.open(join_url(root, _rank_file(saved_rank)), "rb") as f:
         trainer_state = torch.load(f, map_location="cpu", weights_only=True)
     template.schedule = trainer_state["schedule"]
     template.rng = trainer_state["rng"]
@@ -206,8 +206,8 @@ def read_full_sharded(path: str, *, load_optimizer: bool = True) -> tuple[dict[s
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     fs, root = fsspec.core.url_to_fs(path)
-    url = path if _is_local(fs) else fs.unstrip_protocol(root)
-    reader = dcp.FileSystemReader(_join(url, DCP_DIR)) if _is_local(fs) else None
+    url = path if is_local(fs) else fs.unstrip_protocol(root)
+    reader = dcp.FileSystemReader(join_url(url, DCP_DIR)) if is_local(fs) else None
     metadata = reader.read_metadata() if reader is not None else _fsspec_metadata(url)
     wanted = ("model",) + (("optimizer",) if load_optimizer else ())
     flat: dict[str, Any] = {}
@@ -221,7 +221,7 @@ def read_full_sharded(path: str, *, load_optimizer: bool = True) -> tuple[dict[s
         flat[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
         paths[key] = key_path
     with _dcp_call(1) as kwargs:
-        dcp.load(flat, checkpoint_id=_join(url, DCP_DIR), **kwargs)
+        dcp.load(flat, checkpoint_id=join_url(url, DCP_DIR), **kwargs)
     nested: dict[str, Any] = {}
     for key, value in flat.items():
         node = nested
@@ -229,7 +229,7 @@ def read_full_sharded(path: str, *, load_optimizer: bool = True) -> tuple[dict[s
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
-    with fs.open(_join(root, _rank_file(0)), "rb") as f:
+    with fs.open(join_url(root, _rank_file(0)), "rb") as f:
         trainer_state = torch.load(f, map_location="cpu", weights_only=True)
     return nested.get("model", {}), nested.get("optimizer"), trainer_state
 
@@ -237,7 +237,7 @@ def read_full_sharded(path: str, *, load_optimizer: bool = True) -> tuple[dict[s
 def _fsspec_metadata(url: str) -> Any:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    return FsspecReader(_join(url, DCP_DIR)).read_metadata()
+    return FsspecReader(join_url(url, DCP_DIR)).read_metadata()
 
 
 def fill_from_full(template: Any, full: Any, on_missing: Callable[[str], None] | None = None, name: str = "") -> None:

@@ -1,0 +1,97 @@
+"""What both checkpoint formats share (:mod:`raygym.checkpoint`, :mod:`raygym.sharded_checkpoint`): the file
+names, the manifest that marks a checkpoint complete, and the writes through fsspec (atomic on local disks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+MANIFEST = "manifest.json"
+FORMAT = "raygym-checkpoint/1"
+ITER_RE = re.compile(r"^iter_(\d{7,})$")
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
+
+
+def iter_dir_name(rollout_id: int) -> str:
+    """The directory of the checkpoint saved after step ``rollout_id``.
+
+    >>> iter_dir_name(19)
+    'iter_0000019'
+    """
+    return f"iter_{rollout_id:07d}"
+
+
+def join_url(base: str, *parts: str) -> str:
+    """``base/part/...`` for a local path or an fsspec URL.
+
+    >>> join_url("s3://b/ckpt/", "iter_0000001", "manifest.json")
+    's3://b/ckpt/iter_0000001/manifest.json'
+    """
+    return "/".join([base.rstrip("/"), *parts])
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs`` is the local disk (where a rename makes a write atomic)."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Local disks: temp file then rename; object stores write whole objects, so a plain write."""
+    if is_local(fs):
+        tmp = f"{path}.tmp{os.getpid()}"
+        with fs.open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    else:
+        with fs.open(path, "wb") as f:
+            f.write(data)
+
+
+def write_extra_and_hf_files(fs: fsspec.AbstractFileSystem, path: str, extra: dict[str, Any] | None,
+                             hf_source: str | None) -> None:
+    """A checkpoint's ``extra.json`` and, from the HF directory ``hf_source``, its config and tokenizer
+    files under ``hf/`` (both checkpoint formats write these the same way)."""
+    with fs.open(join_url(path, "extra.json"), "w") as f:
+        json.dump(extra or {}, f)
+    if hf_source:
+        fs.makedirs(join_url(path, "hf"), exist_ok=True)
+        for name in HF_SIDE_FILES:
+            src = Path(hf_source) / name
+            if src.exists():
+                with fs.open(join_url(path, "hf", name), "wb") as f:
+                    f.write(src.read_bytes())
+
+
+def read_manifest(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, Any] | None:
+    """The manifest of the checkpoint at ``path`` when it is complete (every file it lists is there with its
+    size), else None."""
+    mpath = join_url(path, MANIFEST)
+    if not fs.exists(mpath):
+        return None
+    try:
+        with fs.open(mpath, "r") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for rel, size in manifest.get("files", {}).items():
+        full = join_url(path, rel)
+        if not fs.exists(full) or int(fs.size(full)) != int(size):
+            return None
+    return manifest
