@@ -124,6 +124,8 @@ class EnginePool:
         no_engine_timeout: float = 600.0,
         max_attempts: int | None = None,
         request_fields: dict[str, Any] | None = None,
+        unreachable_for_s: float = 180.0,
+        retry_interval_s: float = 1.0,
     ) -> None:
         if not engines:
             raise RaygymError("EnginePool needs at least one engine")
@@ -135,6 +137,8 @@ class EnginePool:
         self.clients: list[Any] = [None] * len(engines)
         self._make_client = client_factory or default_client_factory(request_timeout)
         self.no_engine_timeout = no_engine_timeout
+        self.unreachable_for_s = unreachable_for_s  # an engine actor unreachable this long is lost
+        self.retry_interval_s = retry_interval_s  # between restart attempts
         self.max_attempts = max_attempts or 2 * len(engines) + 2
         self._changed = asyncio.Event()  # set whenever an engine's state changes
         self._recoveries: dict[int, asyncio.Task[None]] = {}
@@ -296,23 +300,35 @@ class EnginePool:
             self._recoveries[i] = asyncio.create_task(self._recover(i), name=f"raygym-restart-engine-{i}")
 
     async def _recover(self, i: int, attempts: int = 3) -> None:
+        """Restart engine ``i``'s server inside its actor. An actor that cannot be reached is asked again until
+        Ray decides (its node may be dying: Ray declares a node dead after missed health checks, ~30 s with
+        its defaults), for at most ``unreachable_for_s``. An actor that died, stayed unreachable, or whose
+        server failed to start ``attempts`` times leaves the engine ``lost``: the driver replaces the actor."""
+        failed, unreachable_since = 0, None
         try:
-            for attempt in range(1, attempts + 1):
+            while True:
                 try:
                     await self.engines[i].restart.remote()
                     self._set_url(i, await self.engines[i].url.remote())
                     self.incarnation[i] += 1
                     break
-                except Exception as e:  # the actor may need a moment; try again, then give up
+                except Exception as e:
                     if actor_gone(e):  # its node died: only the driver can place a new actor
                         self.mark_lost(i, f"its actor is gone ({type(e).__name__}); waiting for a replacement")
                         return
-                    log.warning("restart of %s failed (attempt %d): %s", self.engine_name(i), attempt, e)
-                    if attempt == attempts:
-                        self.failures.append({"engine": i, "url": self.urls[i], "time": time.time(),
-                                              "reason": f"restart failed: {e}"})
-                        return
-                    await asyncio.sleep(1.0)
+                    if actor_unreachable(e):
+                        unreachable_since = unreachable_since or time.monotonic()
+                        waited = time.monotonic() - unreachable_since
+                        if waited >= self.unreachable_for_s:
+                            self.mark_lost(i, f"its actor has been unreachable for {waited:.0f} s")
+                            return
+                    else:
+                        failed += 1
+                        log.warning("restart of %s failed (attempt %d): %s", self.engine_name(i), failed, e)
+                        if failed == attempts:
+                            self.mark_lost(i, f"its server failed to restart {attempts} times (last: {e})")
+                            return
+                    await asyncio.sleep(self.retry_interval_s)
             self.router.mark_restarted(i)  # ready again once the driver's fleet synced it
             self._changed.set()
         finally:
@@ -374,6 +390,16 @@ class EnginePool:
                 result = close()
                 if asyncio.iscoroutine(result):
                     await result
+
+
+def actor_unreachable(exc: BaseException) -> bool:
+    """True when ``exc`` says a Ray actor could not be reached just now (it may be restarting, or its node
+    dying before Ray declared it dead)."""
+    try:
+        from ray.exceptions import ActorUnavailableError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return isinstance(exc, ActorUnavailableError)
 
 
 def actor_gone(exc: BaseException) -> bool:

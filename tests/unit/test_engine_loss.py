@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from raygym.rollout.health import EnginePool, actor_gone
@@ -119,15 +118,47 @@ def test_a_lost_engine_reported_by_the_driver_is_taken_out_of_rotation() -> None
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("error", [ActorUnavailableError("network blip", b"0" * 16), RuntimeError("oops")])
-def test_a_restart_that_fails_otherwise_is_retried_not_lost(error: BaseException) -> None:
+class Flaky(Call):
+    """``restart`` of an actor that cannot be reached ``failures`` times, then restarts its server."""
+
+    def __init__(self, value: Any, failures: int) -> None:
+        super().__init__(value)
+        self.failures = failures
+
+    def remote(self, *args: Any) -> Any:
+        self.error = ActorUnavailableError("its node is not answering", b"0" * 16) if self.calls < self.failures else None
+        return super().remote(*args)
+
+
+def test_an_unreachable_actor_is_asked_again_until_it_answers() -> None:
     async def scenario() -> None:
-        engine = Engine("http://a:1", restart_error=error)
-        pool = EnginePool([engine, Engine("http://b:1")], client_factory=lambda url: Client(url, set(), []))
+        engine = Engine("http://a:1")
+        engine.restart = Flaky("http://a:1", failures=4)  # more than the attempts a failing server gets
+        pool = EnginePool([engine, Engine("http://b:1")], client_factory=lambda url: Client(url, set(), []),
+                          retry_interval_s=0.05)
         await pool.start()
         await pool.report_failure(0, "probe failed")
         await pool.wait_for_recoveries()
-        assert engine.restart.calls == 3 and pool.router.state(0) != LOST
+        assert engine.restart.calls == 5 and pool.router.state(0) == NEEDS_WEIGHTS
         await pool.close()
 
     asyncio.run(scenario())
+
+
+def test_an_actor_unreachable_for_too_long_or_a_server_that_never_starts_is_lost() -> None:
+    async def scenario(restart: Call, **pool_args: Any) -> str:
+        engine = Engine("http://a:1")
+        engine.restart = restart
+        pool = EnginePool([engine, Engine("http://b:1")], client_factory=lambda url: Client(url, set(), []),
+                          retry_interval_s=0.05, **pool_args)
+        await pool.start()
+        await pool.report_failure(0, "probe failed")
+        await pool.wait_for_recoveries()
+        assert pool.router.state(0) == LOST
+        await pool.close()
+        return str(pool.failures[-1]["reason"])
+
+    assert "unreachable for" in asyncio.run(scenario(Flaky("u", failures=100), unreachable_for_s=0.3))
+    failing = Call("u", RuntimeError("the model did not load"))
+    assert "failed to restart 3 times" in asyncio.run(scenario(failing))
+    assert failing.calls == 3
