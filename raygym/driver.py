@@ -107,7 +107,7 @@ def _banner(cfg: TrainConfig, facts: RunFacts) -> list[str]:
     and engine kind."""
     import torch
 
-    from raygym.graph import choose_rollout_engine
+    from raygym.engine_kinds import choose_rollout_engine
     from raygym.trainer.actor import choose_backend
 
     local = not os.environ.get("RAY_ADDRESS")

@@ -16,24 +16,10 @@ from typing import Any
 
 from raygym.config import Recipe, TrainConfig
 from raygym.engine_fleet import ENGINE_START_TIMEOUT_S
+from raygym.engine_kinds import check_inflight_update, check_lora, check_weight_sync, choose_rollout_engine
 from raygym.errors import ConfigError, RaygymError
 
 logger = logging.getLogger(__name__)
-
-ROLLOUT_ENGINES = ("auto", "raygym", "sglang", "vllm")
-
-
-def choose_rollout_engine(name: str) -> str:
-    """Resolve ``rollout_engine``: ``auto`` = SGLang when CUDA and sglang are importable, else raygym."""
-    if name not in ROLLOUT_ENGINES:
-        raise ConfigError(f"rollout_engine={name!r}: use one of {', '.join(ROLLOUT_ENGINES)}")
-    if name != "auto":
-        return name
-    import importlib.util
-
-    import torch
-
-    return "sglang" if torch.cuda.is_available() and importlib.util.find_spec("sglang") else "raygym"
 
 
 def preflight_engine(recipe: Recipe, model_path: str | None = None) -> str:
@@ -42,8 +28,6 @@ def preflight_engine(recipe: Recipe, model_path: str | None = None) -> str:
     ConfigError names what to change."""
     import subprocess
     import sys
-
-    from raygym.rollout.capabilities import check_inflight_update, check_weight_sync
 
     kind = choose_rollout_engine(recipe.rollout_engine)
     check_weight_sync(kind, mode=recipe.update_weight_mode, transport=recipe.update_weight_transport,
@@ -87,7 +71,6 @@ def preflight_lora(recipe: Recipe, kind: str, model_path: str | None) -> list[st
     import torch
 
     from raygym.lora import LoraSpec, model_targets
-    from raygym.rollout.capabilities import check_lora
 
     check_lora(kind, mode=recipe.update_weight_mode, double_buffer=recipe.update_weight_double_buffer,
                cuda=torch.cuda.is_available())

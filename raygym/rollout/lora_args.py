@@ -17,10 +17,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from raygym.engine_kinds import capabilities, choose_rollout_engine
 from raygym.errors import ConfigError
 from raygym.lora import ADAPTER_NAME, LoraSpec
+
+if TYPE_CHECKING:
+    from raygym.config.recipe import Recipe
 
 
 def engine_lora_args(kind: str, spec: LoraSpec, targets: list[str], adapter_dir: str | None = None) -> list[str]:
@@ -38,14 +42,11 @@ def engine_lora_args(kind: str, spec: LoraSpec, targets: list[str], adapter_dir:
     raise ConfigError(f"rollout_engine={kind!r}: no LoRA flags for this engine kind")
 
 
-def adapter_request_fields(recipe: Any) -> dict[str, Any]:
+def adapter_request_fields(recipe: Recipe) -> dict[str, Any]:
     """What every rollout ``/generate`` request of a run carries besides its prompt: for a LoRA run on engines
     that load adapters by endpoint, the adapter's name as ``lora_path``; {} otherwise."""
     if recipe.lora_rank <= 0:
         return {}
-    from raygym.graph import choose_rollout_engine
-    from raygym.rollout.capabilities import capabilities
-
     if capabilities(choose_rollout_engine(recipe.rollout_engine)).lora != "lora_endpoints":
         return {}
     return {"lora_path": ADAPTER_NAME}

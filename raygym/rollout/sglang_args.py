@@ -20,7 +20,7 @@ from typing import Any
 
 from raygym.config import Recipe
 from raygym.errors import ConfigError
-from raygym.rollout.capabilities import DIRECT_LOADER, MODEL_LOADER, version_tuple
+from raygym.engine_kinds import DIRECT_LOADER, MODEL_LOADER, version_tuple
 
 DELTA_LOADER = DIRECT_LOADER  # raygym's server applies raygym payloads by HF name
 # The SGLang releases the ``sglang`` extra allows: verl's pin, slime's image, the CPU recipe's, the latest.

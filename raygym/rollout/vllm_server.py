@@ -25,7 +25,7 @@ from here). Routes map onto vLLM's engine as follows:
   (an update sent outside a session gets one of its own), ``/update_weights_from_distributed``, ``_disk`` and
   ``_tensor`` -> ``update_weights`` with the chunk's description, ``/destroy_weights_update_group`` ->
   ``shutdown_weight_transfer_engine``. There is no ``/raygym/weights_checksum``: raygym verifies vLLM by its
-  probe (see :mod:`raygym.rollout.capabilities`);
+  probe (see :mod:`raygym.engine_kinds`);
 - LoRA (``--lora-rank R``): ``/load_lora_adapter`` / ``/unload_lora_adapter`` -> ``add_lora`` / ``remove_lora``
   of ``LoRARequest``\\s, and a request's ``lora_path`` picks one (:mod:`raygym.rollout.vllm_lora`).
 

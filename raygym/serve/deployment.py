@@ -196,7 +196,7 @@ class OpenAIReplica:
         import ray
         from transformers import AutoTokenizer
 
-        from raygym.graph import choose_rollout_engine
+        from raygym.engine_kinds import choose_rollout_engine
         from raygym.rollout.engine import EngineActor
         from raygym.serve.front import OpenAIFront
 

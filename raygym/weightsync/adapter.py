@@ -23,7 +23,7 @@ import torch
 
 from raygym.errors import ConfigError, WeightSyncError
 from raygym.lora import ADAPTER_NAME, write_adapter
-from raygym.rollout.capabilities import capabilities
+from raygym.engine_kinds import capabilities
 from raygym.weightsync.codec import dtype_from_name
 from raygym.weightsync.engine_link import EngineLink, checked
 from raygym.weightsync.payload import FULL, Manifest

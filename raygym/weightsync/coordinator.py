@@ -4,7 +4,7 @@
 2. flush the KV cache (retried with a bound; in-flight requests aborted first if it keeps failing);
 3. [SGLang >= 0.5.23] open a weight-update session (``/begin_weight_update``);
 4. the trainers push ``version`` (rank 0 sends; full or delta, see :mod:`raygym.weightsync.sender`);
-5. verify, as the engine kind declares (:mod:`raygym.rollout.capabilities`): ``checksum`` compares every
+5. verify, as the engine kind declares (:mod:`raygym.engine_kinds`): ``checksum`` compares every
    engine's per-tensor checksums with the sender's (``/raygym/weights_checksum``); ``probe`` checks the
    weight version each engine reports (``/model_info``) and, once generation continues, that the
    engine's log-probs of a seeded probe match the trainer's forward pass (:mod:`raygym.weightsync.probe`);
@@ -20,7 +20,7 @@ before each sync (among the payloads the engine kind takes over the transport) a
 sync cost: ``sync/mode``, ``sync/predicted_s`` (for the chosen mode), ``sync/predicted_full_s``,
 ``sync/predicted_delta_s``, ``sync/measured_s``, ``sync/explore`` (1 when the mode was picked to be measured).
 
-``update_weight_double_buffer`` (engines that can, :mod:`raygym.rollout.capabilities`): steps 1-2 are
+``update_weight_double_buffer`` (engines that can, :mod:`raygym.engine_kinds`): steps 1-2 are
 skipped; the engines load ``version`` into a shadow copy while they keep generating
 (``/raygym/shadow_begin``), the shadow's checksums are verified, and ``/raygym/shadow_switch`` swaps it in
 between two forward passes (aborting what is in flight first when the pause mode is ``abort``). A fully
@@ -46,7 +46,7 @@ from typing import Any
 
 from raygym.config import Recipe
 from raygym.errors import WeightSyncError
-from raygym.rollout.capabilities import capabilities
+from raygym.engine_kinds import capabilities
 from raygym.weightsync.engine_link import EngineLink, as_link, checked
 from raygym.weightsync.probe import EngineProbe, ProbeSpec, compare_logprobs
 from raygym.weightsync.sender import SenderSpec

@@ -39,7 +39,7 @@ import torch
 
 from raygym.config import Recipe
 from raygym.errors import ConfigError, WeightSyncError
-from raygym.rollout.capabilities import capabilities, check_weight_sync, payload_modes
+from raygym.engine_kinds import capabilities, check_weight_sync, payload_modes
 from raygym.weightsync.buckets import BucketPlanner
 from raygym.weightsync.codec import (
     ENCODINGS,
@@ -117,7 +117,7 @@ class SenderSpec:
     backend: str | None = None  # default: nccl with CUDA, else gloo
     cast_dtype: str | None = None  # engine dtype (e.g. "bfloat16"): floating tensors are cast before encoding
     keep_disk_versions: bool = False
-    engine_kind: str = "raygym"  # what receives: decides the wire format (raygym.rollout.capabilities)
+    engine_kind: str = "raygym"  # what receives: decides the wire format (raygym.engine_kinds)
     adapter_config: dict[str, Any] | None = None  # LoRA: the adapters' PEFT config (only adapters are sent)
     extra: dict[str, Any] = field(default_factory=dict)
 
