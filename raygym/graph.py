@@ -136,7 +136,7 @@ class RunGraph:
         if self.placement is not None:
             self.placement.release()
         if self.minted_api_key:  # the key was this run's: later runs in this process mint their own
-            from raygym.rollout.auth import ENGINE_API_KEY_ENV
+            from raygym.engine_auth import ENGINE_API_KEY_ENV
 
             os.environ.pop(ENGINE_API_KEY_ENV, None)
 
@@ -150,7 +150,7 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
     from raygym.engine_fleet import EngineFleet
     from raygym.engine_spawn import EngineSpawner
     from raygym.placement import allocate_for_recipe
-    from raygym.rollout.auth import ENGINE_API_KEY_ENV, new_engine_api_key
+    from raygym.engine_auth import ENGINE_API_KEY_ENV, new_engine_api_key
     from raygym.rollout.engine import EngineActor
     from raygym.rollout.manager import RolloutManager
     from raygym.trainer.actor import TrainerActor

@@ -62,7 +62,7 @@ from raygym.rollout.server_lora import LoraRoutes
 from raygym.rollout.server_weights import WeightRoutes
 from raygym.weightsync.codec import checksum as tensor_checksum
 from raygym.weightsync.codec import dtype_from_name
-from raygym.weightsync.receiver import WeightReceiver
+from raygym.rollout.weight_receiver import WeightReceiver
 from raygym.weightsync.sources import WeightSources
 
 if TYPE_CHECKING:

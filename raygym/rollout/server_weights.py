@@ -1,5 +1,5 @@
 """The weight endpoints of raygym's server: HTTP, ordering and memory state around
-:class:`raygym.weightsync.receiver.WeightReceiver`, which does the work.
+:class:`raygym.rollout.weight_receiver.WeightReceiver`, which does the work.
 
 Requests of one weight-update group are received in arrival order (a sender may post bucket k+1 while
 bucket k still loads) on one thread and loaded in the same order on another, so bucket k+1 comes off the
@@ -31,7 +31,7 @@ from raygym.rollout.server_http import (
     register_routes,
     result_response,
 )
-from raygym.weightsync.receiver import WeightReceiver
+from raygym.rollout.weight_receiver import WeightReceiver
 
 
 class WeightRoutes:

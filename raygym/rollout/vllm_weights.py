@@ -46,7 +46,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from raygym.errors import WeightSyncError
 from raygym.weightsync.codec import dtype_from_name
 from raygym.weightsync.loader import HostSnapshot
-from raygym.weightsync.receiver import destroy_group
+from raygym.rollout.weight_receiver import destroy_group
 from raygym.weightsync.tensor_pickle import loads_named_tensors
 from raygym.weightsync.transport_dist import join_group, receive_flattened, receive_tensors
 
@@ -244,17 +244,17 @@ def tensors_on_this_gpu(text: str, device: torch.device) -> list[tuple[str, torc
     opened on ``device``: the handles name the GPU by UUID, which must be this worker's (colocated)."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    from raygym.weightsync.transport_ipc import _DEVICE_ARG
+    from raygym.weightsync.transport_ipc import DEVICE_ARG
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     here = str(torch.cuda.get_device_properties(index).uuid)
 
     def rebuild_here(*args: Any) -> torch.Tensor:
-        if str(args[_DEVICE_ARG]) != here:
-            raise WeightSyncError(f"CUDA IPC handle for GPU {args[_DEVICE_ARG]}, but this worker runs on {here}: "
+        if str(args[DEVICE_ARG]) != here:
+            raise WeightSyncError(f"CUDA IPC handle for GPU {args[DEVICE_ARG]}, but this worker runs on {here}: "
                                   "the ipc transport needs trainer and engine on the same GPU (colocate)")
         fixed = list(args)
-        fixed[_DEVICE_ARG] = index
+        fixed[DEVICE_ARG] = index
         return rebuild_cuda_tensor(*fixed)
 
     class Unpickler(pickle.Unpickler):

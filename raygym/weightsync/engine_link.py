@@ -67,14 +67,14 @@ def http_client() -> Any:
 class HttpEngineLink:
     """An engine behind SGLang's HTTP API at ``base_url`` (raygym's server or ``sglang.launch_server``).
 
-    Every request carries the run's engine API key (from the environment, see :mod:`raygym.rollout.auth`)."""
+    Every request carries the run's engine API key (from the environment, see :mod:`raygym.engine_auth`)."""
 
     def __init__(self, base_url: str, name: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.name = name or self.base_url
 
     def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
-        from raygym.rollout.auth import auth_headers
+        from raygym.engine_auth import auth_headers
 
         url = f"{self.base_url}/{endpoint.lstrip('/')}"
         if method == "GET":

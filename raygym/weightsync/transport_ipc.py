@@ -30,7 +30,7 @@ from raygym.weightsync.payload import BUCKET_NAME, LOADER, MANIFEST_NAME, Manife
 from raygym.weightsync.transport_dist import DistTransport
 
 # Position of the device index in the arguments torch's reduce_tensor gives rebuild_cuda_tensor.
-_DEVICE_ARG = 6
+DEVICE_ARG = 6
 
 
 def with_device_uuid(args: tuple[Any, ...], uuid_of: Callable[[int], str]) -> tuple[Any, ...]:
@@ -40,7 +40,7 @@ def with_device_uuid(args: tuple[Any, ...], uuid_of: Callable[[int], str]) -> tu
     (0, 1, 2, 3, 4, 5, 'GPU-1', 7)
     """
     out = list(args)
-    out[_DEVICE_ARG] = uuid_of(int(out[_DEVICE_ARG]))
+    out[DEVICE_ARG] = uuid_of(int(out[DEVICE_ARG]))
     return tuple(out)
 
 

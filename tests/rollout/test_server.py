@@ -24,7 +24,7 @@ from raygym.builtin import build_tiny_model
 from raygym.rollout.client import EngineClient, EngineHTTPError
 from raygym.rollout.engine import free_port
 from raygym.rollout.server import tensor_checksum
-from raygym.weightsync.receiver import destroy_group
+from raygym.rollout.weight_receiver import destroy_group
 from raygym.weightsync.transport_dist import broadcast, join_group
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from raygym.config import Recipe
 from raygym.weightsync.codec import checksum
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.engine_link import LocalEngineLink
-from raygym.weightsync.receiver import WeightReceiver
+from raygym.rollout.weight_receiver import WeightReceiver
 from raygym.weightsync.sender import RankWeightSync
 from raygym.weightsync.sources import WeightSources
 

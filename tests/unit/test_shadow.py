@@ -12,7 +12,7 @@ import torch
 from raygym.weightsync.codec import checksum
 from raygym.weightsync.loader import load_payload
 from raygym.weightsync.payload import BUCKET_NAME, MANIFEST_NAME, encode_tensor, pack_bucket
-from raygym.weightsync.receiver import WeightReceiver, WeightRequestError, copy_by_name
+from raygym.rollout.weight_receiver import WeightReceiver, WeightRequestError, copy_by_name
 
 IDS = torch.tensor([[3, 7, 11, 5, 2]])
 
