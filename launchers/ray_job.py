@@ -69,12 +69,17 @@ TERMINAL_STATUSES = {"SUCCEEDED", "FAILED", "STOPPED"}
 def resolve_recipe(train_args: Sequence[str]) -> Any:
     """The :class:`raygym.Recipe` a train command line describes (preset, TOML files, flags).
 
-    Parsed exactly as the job will parse it (``TrainConfig.from_cli_args``), so a bad flag fails here,
+    Parsed exactly as the job will parse it (``raygym.config.load_train_config``), so a bad flag fails here,
     before anything is submitted.
     """
-    from raygym.config import TrainConfig
+    return resolve_config(train_args).recipe
 
-    return TrainConfig.from_cli_args(list(train_args)).recipe
+
+def resolve_config(train_args: Sequence[str]) -> Any:
+    """The :class:`raygym.TrainConfig` a train command line describes, parsed as the job will parse it."""
+    from raygym.config import load_train_config
+
+    return load_train_config(list(train_args))
 
 
 def recipe_env_vars(recipe: Recipe) -> dict[str, str]:
@@ -364,9 +369,7 @@ def resumable_args(train_args: Sequence[str]) -> list[str]:
     if not any(a.split("=", 1)[0] in ("--output-dir", "--save") for a in args):
         raise ConfigError("resubmits: give --output-dir (or --save) on shared storage, so that a resubmitted job "
                           "finds the checkpoints of the one before it; without it every run gets a new directory")
-    from raygym.config import TrainConfig
-
-    return [*args, "--load", TrainConfig.from_cli_args(args).checkpoint_dir]
+    return [*args, "--load", resolve_config(args).checkpoint_dir]
 
 
 def submit_eval_job(
@@ -430,9 +433,17 @@ def submit_job_spec(
             args=(client, job_id, watchdog, watchdog_interval_s, done, stop_reason, say),
             daemon=True,
         ).start()
+    shown = [0]  # characters of the job's log printed so far
     try:
-        asyncio.run(_tail(client, job_id, say))
-        status = _wait_terminal(client, job_id)
+        try:
+            asyncio.run(_tail(client, job_id, say, shown))
+            status = _wait_terminal(client, job_id)
+        except RuntimeError as exc:  # the log stream dropped (a busy or restarted dashboard): poll instead
+            say(f"the log stream of job {job_id} closed ({exc}); following its status")
+            status = _wait_terminal(client, job_id, timeout_s=None)
+            rest = str(client.get_job_logs(job_id))[shown[0]:]
+            if rest:
+                say(rest.rstrip("\n"))
     finally:
         done.set()
     info = client.get_job_info(job_id)
@@ -441,17 +452,19 @@ def submit_job_spec(
     return JobOutcome(job_id, status, message)
 
 
-async def _tail(client: Any, job_id: str, say: Callable[[str], None]) -> None:
+async def _tail(client: Any, job_id: str, say: Callable[[str], None], shown: list[int]) -> None:
     async for chunk in client.tail_job_logs(job_id):
+        shown[0] += len(chunk)
         say(chunk.rstrip("\n"))
 
 
-def _wait_terminal(client: Any, job_id: str, timeout_s: float = 60.0) -> str:
+def _wait_terminal(client: Any, job_id: str, timeout_s: float | None = 60.0) -> str:
+    """The job's status once it is final (or after ``timeout_s``; None: no limit)."""
     # The log stream can close a moment before the status is final.
-    deadline = time.monotonic() + timeout_s
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         status = str(client.get_job_status(job_id).value)
-        if status in TERMINAL_STATUSES or time.monotonic() > deadline:
+        if status in TERMINAL_STATUSES or (deadline is not None and time.monotonic() > deadline):
             return status
         time.sleep(0.5)
 

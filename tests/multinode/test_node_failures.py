@@ -9,8 +9,9 @@ boundary over gloo. A node dies as a machine does: every process in its namespac
 - an engine node dies mid-rollout and comes back: its requests are retried on the other engine, the run goes
   on with one engine, then a new engine is started on the returned node, synced, verified and given
   requests again; every step keeps all its samples;
-- the trainer node dies: the job fails naming the trainer and the last complete checkpoint; resubmitted with
-  ``--load`` after the node returns, the run resumes there: every step and every prompt position exactly once.
+- the trainer node dies: the job fails naming the trainer and the last complete checkpoint; the launcher
+  (``--resubmit 1``) submits it again with ``--load``, the new job waits for a node to take the trainer's GPU,
+  and once the node returns the run resumes there: every step and every prompt position exactly once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,9 +28,8 @@ from typing import Any
 
 import pytest
 
-from launchers.ray_job import REPO_ROOT, submit_train_job
+from launchers.ray_job import REPO_ROOT, JobOutcome, resolve_recipe, submit_train_job
 from raygym.cluster_shape import cluster_shape, roles_by_node
-from raygym.config import TrainConfig
 from scripts.local_cluster import LocalCluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -125,7 +126,7 @@ def test_engine_node_dies_mid_rollout_and_returns(nodes_up: LocalCluster, tmp_pa
 
     # Where everything runs: as the pure layout predicts for this cluster's addresses, one role per node.
     ips = [n.ip for n in cluster.nodes.values()]
-    recipe = TrainConfig.from_cli_args(RUN).recipe
+    recipe = resolve_recipe(RUN)
     predicted = roles_by_node(recipe, ips, cluster_shape(recipe))
     assert predicted == {ips[0]: [], ips[1]: ["actor 0"], ips[2]: ["engine 0"], ips[3]: ["engine 1"]}
     placed = cluster.actors()
@@ -163,25 +164,40 @@ def test_engine_node_dies_mid_rollout_and_returns(nodes_up: LocalCluster, tmp_pa
 
 def test_trainer_node_dies_and_the_resubmitted_run_resumes(nodes_up: LocalCluster, tmp_path: Path) -> None:
     cluster, steps, out = nodes_up, 8, tmp_path / "run"
-    args = [*RUN, "--num-rollout", str(steps), "--save-interval", "2"]  # checkpoints after steps 1, 3, 5, 7
-    first = Job(cluster, out, args)
-    first.wait_until(lambda: len(first.rows()) >= 5, "five steps")
+    args = [*RUN, "--num-rollout", str(steps), "--save-interval", "2",  # checkpoints after steps 1, 3, 5, 7
+            "--output-dir", str(out)]
+    said: list[str] = []  # what the launcher prints: the job ids, then the jobs' logs as they stream
+    outcome: list[JobOutcome] = []
+    launcher = threading.Thread(target=lambda: outcome.append(submit_train_job(
+        cluster.dashboard_url, args, environ=cluster.env, working_dir=str(REPO_ROOT), resubmits=1,
+        out=said.append)), daemon=True)  # what `python -m launchers.ray_job --resubmit 1 ...` does
+    launcher.start()
+
+    def wait_for(ready: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + 400
+        while not ready():
+            assert launcher.is_alive(), f"the launcher ended before {what}:\n" + "\n".join(said[-60:])
+            assert time.monotonic() < deadline, f"no {what}:\n" + "\n".join(said[-60:])
+            time.sleep(0.05)
+
+    wait_for(lambda: len(read_jsonl(out / "metrics.jsonl")) >= 5, "five steps")
     cluster.kill_node("w1")  # the trainer's node, while step 5's rollout runs
-    assert first.wait_end() == "FAILED"
-    logs = first.logs()
+    wait_for(lambda: any("failed; resubmitting" in line for line in said), "resubmission")
     checkpoint = out / "checkpoints" / "iter_0000003"
-    assert "trainer rank 0 died" in logs and f"the last complete checkpoint is {checkpoint}" in logs, logs[-4000:]
+    printed = "\n".join(said)
+    assert "trainer rank 0 died" in printed and f"the last complete checkpoint is {checkpoint}" in printed
+    # The resubmitted job waits for a node with a GPU to take the trainer's bundle: nothing is written yet.
     before = {p["step"]: p for p in read_jsonl(out / "prompts.jsonl")}
     assert sorted(before) == [0, 1, 2, 3, 4]
-    wait_released(cluster)
 
     cluster.start_node("w1")
-    second = Job(cluster, out, [*args, "--load", str(out / "checkpoints")])
-    assert second.wait_end() == "SUCCEEDED", second.logs()[-4000:]
-    said = f"resumed from {checkpoint} (saved after step 3); continuing at step 4"
-    assert squeezed(said) in squeezed(second.logs())  # the console wraps long lines
+    launcher.join(timeout=400)
+    assert outcome and outcome[0].status == "SUCCEEDED", "\n".join(said[-60:])
+    resumed = f"resumed from {checkpoint} (saved after step 3); continuing at step 4"
+    assert squeezed(resumed) in squeezed("\n".join(said))  # the console wraps long lines
+    assert len([line for line in said if line.startswith("job id: ")]) == 2
 
-    assert [r["step"] for r in second.rows()] == list(range(steps))  # 0 steps lost, 0 repeated
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(steps))  # 0 lost, 0 repeated
     prompts = {p["step"]: p for p in assert_every_position_once(out, steps)}
     # Steps the checkpoint covered are kept as they were; step 4, lost with the trainer, ran again on the
     # same prompts (the checkpoint's data position), so the run saw exactly what an uninterrupted one would.

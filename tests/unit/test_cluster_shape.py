@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from launchers.ray_job import resolve_config
 from raygym.cluster_shape import ClusterShape, cluster_shape, roles_by_node
 from raygym.config import TrainConfig
 from raygym.presets import PRESETS, qwen3_30b_a3b, tiny
@@ -23,7 +24,7 @@ def manifest_shape(name: str) -> tuple[ClusterShape, TrainConfig]:
     """The cluster a KubeRay RayJob manifest asks for, and the run its entrypoint starts."""
     job = yaml.safe_load((DOCS / name).read_text())["spec"]
     argv = shlex.split(job["entrypoint"])
-    cfg = TrainConfig.from_cli_args(argv[argv.index("raygym.train") + 1:])
+    cfg = resolve_config(argv[argv.index("raygym.train") + 1:])
     cluster = job["rayClusterSpec"]
     head_gpus = int(cluster["headGroupSpec"]["rayStartParams"].get("num-gpus", "0"))
     workers: list[int] = []

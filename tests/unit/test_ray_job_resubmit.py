@@ -66,3 +66,43 @@ def test_cli_refuses_resubmit_where_it_cannot_work(capsys: pytest.CaptureFixture
     assert ray_job.main(["--resubmit", "1", "eval", "/ck"]) == 2
     err = capsys.readouterr().err
     assert "drop --no-wait" in err and "--output-dir" in err and "drop it for eval" in err
+
+
+class DroppingClient:
+    """A job client whose log stream breaks after the first chunk (as the dashboard's websocket did while a
+    node died); the status and the whole log stay available."""
+
+    def __init__(self, address: str, headers: Any = None) -> None:
+        self.log = "step 0\nstep 1\nraygym: failed: the run failed: trainer rank 0 died\n"
+        self.polls = 0
+
+    def submit_job(self, **kwargs: Any) -> str:
+        return "job-a"
+
+    async def tail_job_logs(self, job_id: str) -> Any:
+        yield "step 0\n"
+        raise RuntimeError("WebSocket connection closed unexpectedly with close code 1006")
+
+    def get_job_status(self, job_id: str) -> Any:
+        self.polls += 1
+        return type("Status", (), {"value": "RUNNING" if self.polls < 3 else "FAILED"})()
+
+    def get_job_logs(self, job_id: str) -> str:
+        return self.log
+
+    def get_job_info(self, job_id: str) -> Any:
+        return type("Info", (), {"message": "exit code 1"})()
+
+
+def test_a_dropped_log_stream_is_followed_by_status_to_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray.job_submission
+
+    monkeypatch.setattr(ray.job_submission, "JobSubmissionClient", DroppingClient)
+    monkeypatch.setattr(ray_job.time, "sleep", lambda s: None)
+    said: list[str] = []
+    spec = ray_job.build_job_spec(RUN, environ={}, working_dir=None)
+    outcome = ray_job.submit_job_spec("http://head:8265", spec, environ={}, out=said.append)
+    assert outcome.status == "FAILED"
+    text = "\n".join(said)
+    assert "log stream of job job-a closed" in text and "trainer rank 0 died" in text
+    assert text.count("step 0") == 1  # what was shown is not shown twice
