@@ -50,9 +50,9 @@ def receiver_main(conn, shapes: dict[str, tuple[tuple[int, ...], str]], netns: s
     if netns:
         enter_netns(netns)
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    from raygym.rollout.weight_receiver import WeightReceiver
     from raygym.weightsync.codec import dtype_from_name
     from raygym.weightsync.engine_link import method_name
-    from raygym.rollout.weight_receiver import WeightReceiver
     from raygym.weightsync.transport_dist import broadcast
 
     torch.set_num_threads(1)

@@ -147,10 +147,10 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
 
     from raygym.actor_group import call_all, start_engine_group, start_trainer_group
     from raygym.aux_groups import aux_manager_kwargs, start_aux_groups
+    from raygym.engine_auth import ENGINE_API_KEY_ENV, new_engine_api_key
     from raygym.engine_fleet import EngineFleet
     from raygym.engine_spawn import EngineSpawner
     from raygym.placement import allocate_for_recipe
-    from raygym.engine_auth import ENGINE_API_KEY_ENV, new_engine_api_key
     from raygym.rollout.engine import EngineActor
     from raygym.rollout.manager import RolloutManager
     from raygym.trainer.actor import TrainerActor

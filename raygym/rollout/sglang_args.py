@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from raygym.config import Recipe
-from raygym.errors import ConfigError
 from raygym.engine_kinds import DIRECT_LOADER, MODEL_LOADER, version_tuple
+from raygym.errors import ConfigError
 
 DELTA_LOADER = DIRECT_LOADER  # raygym's server applies raygym payloads by HF name
 # The SGLang releases the ``sglang`` extra allows: verl's pin, slime's image, the CPU recipe's, the latest.

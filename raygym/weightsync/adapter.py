@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from raygym.engine_kinds import capabilities
 from raygym.errors import ConfigError, WeightSyncError
 from raygym.lora import ADAPTER_NAME, write_adapter
-from raygym.engine_kinds import capabilities
 from raygym.weightsync.codec import dtype_from_name
 from raygym.weightsync.engine_link import EngineLink, checked
 from raygym.weightsync.payload import FULL, Manifest

@@ -45,8 +45,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from raygym.config import Recipe
-from raygym.errors import WeightSyncError
 from raygym.engine_kinds import capabilities
+from raygym.errors import WeightSyncError
 from raygym.weightsync.engine_link import EngineLink, as_link, checked
 from raygym.weightsync.probe import EngineProbe, ProbeSpec, compare_logprobs
 from raygym.weightsync.sender import SenderSpec

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from raygym.config import Recipe
-from raygym.errors import ConfigError, WeightSyncError
 from raygym.engine_kinds import capabilities, check_weight_sync, payload_modes
+from raygym.errors import ConfigError, WeightSyncError
 from raygym.weightsync.buckets import BucketPlanner
 from raygym.weightsync.codec import (
     ENCODINGS,

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from raygym.config import Recipe
+from raygym.rollout.weight_receiver import INCOMPLETE, WeightReceiver
 from raygym.weightsync.codec import checksum
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.payload import BUCKET_NAME, LOADER, MANIFEST_NAME, encode_tensor, pack_bucket
 from raygym.weightsync.pipeline import BucketPipeline
-from raygym.rollout.weight_receiver import INCOMPLETE, WeightReceiver
 from raygym.weightsync.transport_dist import free_port
 from tests.weightsync.local_trainer import LocalTrainer
 from tests.weightsync.raygym_servers import raygym_servers

@@ -15,11 +15,11 @@ import torch
 
 from raygym.config import Recipe
 from raygym.errors import WeightSyncError
+from raygym.rollout.weight_receiver import WeightReceiver
 from raygym.weightsync.codec import checksum
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.engine_link import HttpEngineLink, LocalEngineLink
 from raygym.weightsync.payload import LOADER
-from raygym.rollout.weight_receiver import WeightReceiver
 from raygym.weightsync.sender import RankWeightSync, SenderSpec
 from raygym.weightsync.sources import WeightSources
 from tests.weightsync.local_trainer import LocalTrainer
