@@ -24,7 +24,7 @@ import click
 from raygym.allocation import GpuAllocation
 from raygym.cli_after_training import eval_command, report_command, serve_command
 from raygym.cli_help import cli_help
-from raygym.config import Recipe, TrainConfig, megatron_installed
+from raygym.config import Recipe, TrainConfig, load_train_config, megatron_installed
 from raygym.errors import ConfigError, RaygymError
 
 if TYPE_CHECKING:
@@ -187,7 +187,7 @@ def plan(ctx: click.Context) -> None:
         click.echo(cli_help("raygym plan [--cluster ADDRESS]"))
         return
     args, cluster = _take_option(args, "--cluster")
-    cfg = TrainConfig.from_cli_args(args)
+    cfg = load_train_config(args)
     _print_plan(cfg, cluster)
     if cluster:
         from rich.console import Console
@@ -205,7 +205,7 @@ def train(ctx: click.Context) -> None:
     if _wants_help(args):
         click.echo(cli_help("raygym train"))
         return
-    cfg = TrainConfig.from_cli_args(args)
+    cfg = load_train_config(args)
     from raygym.driver import train as run_training
 
     result = run_training(cfg)

@@ -131,7 +131,7 @@ def plan_eval(checkpoint: str, args: Sequence[str], *, cache_dir: str | None = N
 
     Raises :class:`ConfigError` for a bad checkpoint, bad flags, or no eval data.
     """
-    from raygym.config import TrainConfig
+    from raygym.config import TrainConfig, load_train_config
     from raygym.data import eval_dataset_urls
 
     flags, own = take_options(args)
@@ -139,10 +139,10 @@ def plan_eval(checkpoint: str, args: Sequence[str], *, cache_dir: str | None = N
     if step_text is not None and not step_text.strip().lstrip("-").isdigit():
         raise ConfigError(f"step={step_text!r}: must be a whole number (the training step whose eval seeds to use)")
     source = resolve_model_source(checkpoint, cache_dir)
-    cfg = TrainConfig.from_cli_args([*_base_flags(source, flags), *flags])
+    cfg = load_train_config([*_base_flags(source, flags), *flags])
     prompt_data = own.get("--prompt-data")
     if prompt_data:  # evaluate this dataset (and any --eval-prompt-data given too) instead of the run's
-        given = TrainConfig.from_cli_args(flags).dataset.eval_prompt_data
+        given = load_train_config(flags).dataset.eval_prompt_data
         eval_config = {k: v for k, v in (cfg.recipe.eval_config or {}).items() if k != "datasets"}
         cfg = TrainConfig(
             recipe=cfg.recipe.replace(eval_config=eval_config or None), model=cfg.model,

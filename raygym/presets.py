@@ -22,7 +22,7 @@ from typing import Any
 from raygym.builtin import TINY_ARCH, TINY_MODEL
 from raygym.config.base import MiB
 from raygym.config.recipe import Recipe
-from raygym.config.run import ModelConfig
+from raygym.config.sections import ModelConfig
 from raygym.errors import ConfigError
 
 __all__ = [

@@ -13,6 +13,9 @@ Pure: imports neither torch nor ray, so validation and ``raygym plan`` run anywh
 >>> cfg = TrainConfig(recipe=r, model=ModelConfig(hf_checkpoint="Qwen/Qwen3-4B"))
 >>> TrainConfig.from_cli_args(cfg.cli_args()) == cfg
 True
+
+A command line as users type it (``--preset``, ``@ run.toml``, the tiny preset without a model) is read by
+:func:`load_train_config`; the config classes themselves know no preset.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from raygym.callables import callable_import_path, load_callable
 from raygym.config.base import CustomFunction, MiB, megatron_installed
 from raygym.config.constants import CUSTOM_FUNCTION_FIELDS, RM_TYPES, TASK_RM_TYPES
 from raygym.config.flags import FLAGS, build_arg_parser, format_cli_help
-from raygym.config.loader import load_toml
+from raygym.config.loader import load_toml, load_train_config
 from raygym.config.recipe import Recipe
 from raygym.config.run import DatasetConfig, MetricsConfig, ModelConfig, TrainConfig, new_run_id
 from raygym.errors import ConfigError
@@ -46,6 +49,7 @@ __all__ = [
     "format_cli_help",
     "load_callable",
     "load_toml",
+    "load_train_config",
     "megatron_installed",
     "new_run_id",
 ]

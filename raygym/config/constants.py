@@ -80,6 +80,3 @@ CUSTOM_FUNCTION_FIELDS = (
     "custom_megatron_before_train_step_hook",
     "rollout_env",
 )
-
-# Filled by raygym.config.recipe once Recipe exists: the fields that may be None.
-OPTIONAL_RECIPE_FIELDS: frozenset[str] = frozenset()

@@ -17,19 +17,20 @@ from pydantic import BaseModel
 
 from raygym.callables import callable_import_path
 from raygym.config.constants import RECIPE_CHOICES
-from raygym.config.recipe import Recipe
-from raygym.config.run import DatasetConfig, MetricsConfig, ModelConfig, TrainConfig
+from raygym.config.recipe_fields import RecipeFields
+from raygym.config.sections import DatasetConfig, MetricsConfig, ModelConfig, RunLocation
 from raygym.errors import ConfigError
 
 SECTIONS = ("recipe", "model", "dataset", "metrics", "run")
-_SECTION_MODELS: dict[str, type[BaseModel]] = {
-    "recipe": Recipe,
+# The model declaring each section's fields ("run": TrainConfig's own fields, besides the sections).
+SECTION_MODELS: dict[str, type[BaseModel]] = {
+    "recipe": RecipeFields,
     "model": ModelConfig,
     "dataset": DatasetConfig,
     "metrics": MetricsConfig,
-    "run": TrainConfig,
+    "run": RunLocation,
 }
-_RUN_FIELDS = ("output_dir", "run_id")
+RUN_FIELDS = tuple(RunLocation.model_fields)
 
 
 class _FlagSpec(typing.NamedTuple):
@@ -58,9 +59,8 @@ def _build_flag_table() -> list[_FlagSpec]:
     specs: list[_FlagSpec] = []
     taken: set[str] = set()
     for section in SECTIONS:
-        model = _SECTION_MODELS[section]
-        names = _RUN_FIELDS if section == "run" else tuple(model.model_fields)
-        for field in names:
+        model = SECTION_MODELS[section]
+        for field in model.model_fields:
             info = model.model_fields[field]
             kind, optional = _classify(info.annotation)
             flag = field.replace("_", "-")
@@ -109,7 +109,8 @@ def encode_section(section: str, obj: BaseModel) -> list[str]:
     return args
 
 
-def _decode_value(spec: _FlagSpec, text: str) -> Any:
+def decode_value(spec: _FlagSpec, text: str) -> Any:
+    """A flag's text as its field's value (ConfigError naming the flag when it is not one)."""
     try:
         if spec.kind == "int":
             if not re.fullmatch(r"[+-]?\d+", text.strip()):
@@ -169,6 +170,31 @@ def build_arg_parser(prog: str = "raygym train") -> argparse.ArgumentParser:
 @functools.lru_cache(maxsize=1)
 def _cached_parser() -> argparse.ArgumentParser:
     return build_arg_parser()
+
+
+# Python 3.11's argparse turns ``--flag=--`` into an empty list: the value travels under this stand-in.
+_DOUBLE_DASH = "\x00--"
+_FLAG_BY_DEST = {f"{spec.section}.{spec.field}": spec for spec in FLAGS}
+
+
+def parse_flags(args: list[str]) -> tuple[str | None, dict[str, dict[str, Any]]]:
+    """``--preset``'s value (None without one) and ``{section: {field: value}}`` of the flags ``args``
+    (flags only: :mod:`raygym.config.loader` takes ``@ run.toml`` includes out first). ConfigError for an
+    unknown flag or a bad value.
+
+    >>> preset, sections = parse_flags(["--lr", "2e-6", "--no-colocate", "--run-id", "r1"])
+    >>> preset, sections["recipe"], sections["run"]
+    (None, {'lr': 2e-06, 'colocate': False}, {'run_id': 'r1'})
+    """
+    args = [a[:-2] + _DOUBLE_DASH if a.startswith("--") and a.endswith("=--") else a for a in args]
+    parsed = vars(_cached_parser().parse_args(args))
+    parsed = {dest: "--" if raw == _DOUBLE_DASH else raw for dest, raw in parsed.items()}
+    preset: str | None = parsed.pop("__preset", None)
+    sections: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    for dest, raw in parsed.items():
+        spec = _FLAG_BY_DEST[dest]
+        sections[spec.section][spec.field] = decode_value(spec, raw) if isinstance(raw, str) else raw
+    return preset, sections
 
 
 def format_cli_help(prog: str = "raygym train") -> str:

@@ -1,15 +1,16 @@
 """Building a ``TrainConfig`` from what a user types: ``[--preset NAME] [@ run.toml] [--flag value ...]``
-(preset, then TOML files in order, then flags; later wins). The only importer of ``raygym.presets``. Pure."""
+(preset, then TOML files in order, then flags; later wins). The only importer of ``raygym.presets`` in the
+config layer: the config classes know no preset. Pure."""
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Sequence
 from typing import Any
 
 from raygym import presets
-from raygym.config.flags import _RUN_FIELDS, _SECTION_MODELS, FLAGS, SECTIONS, _cached_parser, _decode_value
-from raygym.config.recipe import Recipe
-from raygym.config.run import DatasetConfig, MetricsConfig, ModelConfig, TrainConfig
+from raygym.config.flags import FLAGS, RUN_FIELDS, SECTION_MODELS, SECTIONS, parse_flags
+from raygym.config.run import TrainConfig
 from raygym.errors import ConfigError
 
 _VALUE_FLAGS = {f"--{s.flag}" for s in FLAGS if s.kind != "bool"} | {"--preset"}
@@ -63,31 +64,31 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
     for key, value in raw.items():
         key = key.replace("-", "_")
         if key in ("recipe", "model", "dataset", "metrics") and isinstance(value, dict):
-            model = _SECTION_MODELS[key]
+            model = SECTION_MODELS[key]
             for field, item in value.items():
                 field = field.replace("-", "_")
                 if field not in model.model_fields:
                     close = difflib.get_close_matches(field, list(model.model_fields), n=3)
                     raise ConfigError(
-                        f"{path}: [{key}] {field}: not a field of {model.__name__}"
+                        f"{path}: [{key}] {field}: not a field of {'Recipe' if key == 'recipe' else model.__name__}"
                         + (f" (did you mean {', '.join(close)}?)" if close else "")
                     )
                 out[key][field] = item
         elif key == "preset":
             out["preset"]["name"] = value
-        elif key in _RUN_FIELDS:
+        elif key in RUN_FIELDS:
             out["run"][key] = value
         else:
             section = next(
                 (
                     s
                     for s in ("recipe", "model", "dataset", "metrics")
-                    if key in _SECTION_MODELS[s].model_fields
+                    if key in SECTION_MODELS[s].model_fields
                 ),
                 None,
             )
             if section is None:
-                every = [f for s in SECTIONS for f in _SECTION_MODELS[s].model_fields]
+                every = [f for s in SECTIONS for f in SECTION_MODELS[s].model_fields]
                 close = difflib.get_close_matches(key, every, n=3)
                 raise ConfigError(
                     f"{path}: {key}: not a config field"
@@ -97,15 +98,16 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-# Python 3.11's argparse turns ``--flag=--`` into an empty list: the value travels under this stand-in.
-_DOUBLE_DASH = "\x00--"
+def load_train_config(args: Sequence[str]) -> TrainConfig:
+    """The config a command line describes: ``[--preset NAME] [@ run.toml] [--flag value ...]``, as
+    ``raygym train`` reads it. Layers, later wins: the preset (``tiny`` when neither a preset nor
+    ``--hf-checkpoint`` is given anywhere), then TOML files in order, then flags. Bad input raises ConfigError.
 
-
-def config_from_cli_args(args: list[str]) -> TrainConfig:
-    flag_args, toml_files = _split_toml_includes(args)
-    flag_args = [a[:-2] + _DOUBLE_DASH if a.startswith("--") and a.endswith("=--") else a for a in flag_args]
-    parsed = vars(_cached_parser().parse_args(flag_args))
-    parsed = {dest: "--" if raw == _DOUBLE_DASH else raw for dest, raw in parsed.items()}
+    >>> cfg = load_train_config(["--num-rollout", "3"])
+    >>> cfg.model.hf_checkpoint, cfg.recipe.num_rollout, cfg.recipe.rm_type
+    ('builtin:tiny-qwen3', 3, 'next_digit')
+    """
+    flag_args, toml_files = _split_toml_includes(list(args))
     layers: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
     preset_name: str | None = None
     for path in toml_files:
@@ -113,26 +115,18 @@ def config_from_cli_args(args: list[str]) -> TrainConfig:
         preset_name = loaded["preset"].get("name", preset_name)
         for section in SECTIONS:
             layers[section].update(loaded[section])
-    preset_name = parsed.pop("__preset", preset_name)
-    for dest, raw in parsed.items():
-        section, field = dest.split(".", 1)
-        spec = next(s for s in FLAGS if s.section == section and s.field == field)
-        layers[section][field] = _decode_value(spec, raw) if isinstance(raw, str) else raw
+    flag_preset, flag_layers = parse_flags(flag_args)
+    preset_name = flag_preset if flag_preset is not None else preset_name
+    for section in SECTIONS:
+        layers[section].update(flag_layers[section])
 
     if preset_name is None and "hf_checkpoint" not in layers["model"]:
         preset_name = "tiny"
-    recipe_values: dict[str, Any] = {}
-    model_values: dict[str, Any] = {}
     if preset_name is not None:
         recipe_values = presets.get_preset(preset_name).field_values()
-        if "hf_checkpoint" not in layers["model"]:
-            model_values = presets.default_model(preset_name).field_values()
         if layers["recipe"].get("lora_rank", recipe_values.get("lora_rank", 0)) > 0:  # the preset's LoRA settings
             recipe_values.update(presets.lora_overrides(preset_name))
-    return TrainConfig(
-        recipe=Recipe(**{**recipe_values, **layers["recipe"]}),
-        model=ModelConfig(**{**model_values, **layers["model"]}),
-        dataset=DatasetConfig(**layers["dataset"]),
-        metrics=MetricsConfig(**layers["metrics"]),
-        **layers["run"],
-    )
+        layers["recipe"] = {**recipe_values, **layers["recipe"]}
+        if "hf_checkpoint" not in layers["model"]:
+            layers["model"] = {**presets.default_model(preset_name).field_values(), **layers["model"]}
+    return TrainConfig.from_sections(layers)

@@ -1,14 +1,13 @@
 """The rules of a valid :class:`raygym.config.recipe.Recipe` and what its settings imply for the trainer
-backend. Pure; ``Recipe`` runs :func:`validate_recipe` when it is built."""
+backend, over the fields it declares (:class:`raygym.config.recipe_fields.RecipeFields`). Pure; ``Recipe``
+runs :func:`validate_recipe` when it is built."""
 
 from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING
 
 from raygym.callables import IMPORT_PATH
-from raygym.config import constants
 from raygym.config.base import (
     check_choice,
     check_import_path,
@@ -27,23 +26,21 @@ from raygym.config.constants import (
     TASK_RM_TYPES,
     UNSUPPORTED_RECIPE_FIELDS,
 )
-from raygym.envs.specs import parse_env_spec
-from raygym.errors import ConfigError
+from raygym.config.recipe_fields import OPTIONAL_FIELDS, RecipeFields
+from raygym.config.sections import ModelConfig
 from raygym.engine_kinds import check_inflight_update, check_weight_sync
 from raygym.engine_kinds import check_lora as check_lora_engine
-
-if TYPE_CHECKING:
-    from raygym.config.recipe import Recipe
-    from raygym.config.run import ModelConfig
+from raygym.envs.specs import parse_env_spec
+from raygym.errors import ConfigError
 
 
-def validate_recipe(r: Recipe) -> None:
+def validate_recipe(r: RecipeFields) -> None:
     """Every rule a Recipe must satisfy (run by its validator); ConfigError names field, value and fix."""
     for field, choices in RECIPE_CHOICES.items():
         check_choice(field, getattr(r, field), choices)
     check_unsupported(r.field_values(), UNSUPPORTED_RECIPE_FIELDS)
     for field in RECIPE_POSITIVE:
-        check_int(field, getattr(r, field), 1, optional=field in constants.OPTIONAL_RECIPE_FIELDS)
+        check_int(field, getattr(r, field), 1, optional=field in OPTIONAL_FIELDS)
     for field in RECIPE_NON_NEGATIVE:
         check_int(field, getattr(r, field), 0, optional=True)
     check_ranges(r)
@@ -82,7 +79,7 @@ def validate_recipe(r: Recipe) -> None:
             parse_json_object(field, getattr(r, field))
 
 
-def check_ranges(r: Recipe) -> None:
+def check_ranges(r: RecipeFields) -> None:
     check_range("lr", r.lr, 0.0, math.inf)
     check_range("min_lr", r.min_lr, 0.0, r.lr)
     check_range("critic_lr", r.critic_lr, 0.0, math.inf)
@@ -128,7 +125,7 @@ def check_ranges(r: Recipe) -> None:
         )
 
 
-def check_parallelism(r: Recipe) -> None:
+def check_parallelism(r: RecipeFields) -> None:
     tp, pp, cp = (
         r.tensor_model_parallel_size,
         r.pipeline_model_parallel_size,
@@ -162,7 +159,7 @@ def check_parallelism(r: Recipe) -> None:
         r.gpu_allocation()
 
 
-def check_modes(r: Recipe) -> None:
+def check_modes(r: RecipeFields) -> None:
     if r.async_mode and r.colocate:
         raise ConfigError(
             "async_mode=True cannot run with colocate=True: rollout and training overlap and need their "
@@ -199,7 +196,7 @@ def check_modes(r: Recipe) -> None:
         )
 
 
-def check_batches(r: Recipe) -> None:
+def check_batches(r: RecipeFields) -> None:
     per_step = r.rollout_batch_size * r.n_samples_per_prompt
     if per_step % r.global_batch_size:
         raise ConfigError(
@@ -228,7 +225,7 @@ def check_batches(r: Recipe) -> None:
         )
 
 
-def check_judge_and_teacher(r: Recipe) -> None:
+def check_judge_and_teacher(r: RecipeFields) -> None:
     """The environment's, the judge's and the teacher's fields (raygym/envs, judge.py, distill.py)."""
     if r.rollout_env is not None and r.custom_generate_function is not None:
         raise ConfigError(
@@ -267,7 +264,7 @@ def check_judge_and_teacher(r: Recipe) -> None:
     check_range("distill_task_weight", r.distill_task_weight, 0.0, math.inf)
 
 
-def check_lora(r: Recipe) -> None:
+def check_lora(r: RecipeFields) -> None:
     """The ``lora_*`` fields (:mod:`raygym.lora`): a rank of 0 turns LoRA off, so the other fields must then keep
     their defaults (a value there would be silently ignored); the targets' syntax (checked against the model
     before Ray starts, by :func:`raygym.graph.preflight_engine`)."""
@@ -310,7 +307,7 @@ def check_lora(r: Recipe) -> None:
 LORA_SETTINGS = ("lora_alpha", "lora_dropout", "lora_target_modules")
 
 
-def model_parallel_requests(r: Recipe) -> list[str]:
+def model_parallel_requests(r: RecipeFields) -> list[str]:
     """``field=value`` of every model-parallel setting this recipe asks for (sizes > 1,
     ``sequence_parallel``): only the Megatron trainer backend runs them.
     """
@@ -326,7 +323,7 @@ def model_parallel_requests(r: Recipe) -> list[str]:
     return requests
 
 
-def check_trainer_backend(r: Recipe, *, megatron_installed: bool | None = None) -> str | None:
+def check_trainer_backend(r: RecipeFields, *, megatron_installed: bool | None = None) -> str | None:
     """ConfigError when no trainer backend can run this recipe; otherwise the backend it will run on
     (``None``: ``trainer_backend="auto"`` without model parallelism, decided on the trainer's machine).
 
@@ -366,7 +363,7 @@ def check_trainer_backend(r: Recipe, *, megatron_installed: bool | None = None) 
     return "torch" if r.trainer_backend == "torch" else None
 
 
-def trainer_backend_summary(r: Recipe, *, megatron_installed: bool) -> str:
+def trainer_backend_summary(r: RecipeFields, *, megatron_installed: bool) -> str:
     """One line for ``raygym plan``: the trainer backend this recipe runs on and why.
     """
     resolved = check_trainer_backend(r)
@@ -382,7 +379,7 @@ def trainer_backend_summary(r: Recipe, *, megatron_installed: bool) -> str:
     return text
 
 
-def validate_model_parallelism(r: Recipe, model: ModelConfig) -> None:
+def validate_model_parallelism(r: RecipeFields, model: ModelConfig) -> None:
     """Check the parallel sizes against the model's architecture, where the architecture is known."""
     ep, pp = r.expert_model_parallel_size, r.pipeline_model_parallel_size
     if model.num_experts is not None and model.num_experts % ep:
@@ -405,7 +402,7 @@ def validate_model_parallelism(r: Recipe, model: ModelConfig) -> None:
         )
 
 
-def check_fully_async(r: Recipe) -> None:
+def check_fully_async(r: RecipeFields) -> None:
     """``fully_async``: its own GPUs for the engines, one asynchronous mode, a whole-step rollout function
     refused (the stream generates group by group), and an engine kind that takes weight updates while requests
     are in flight (:func:`raygym.engine_kinds.check_inflight_update`)."""

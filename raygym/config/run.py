@@ -1,5 +1,6 @@
-"""``ModelConfig``, ``DatasetConfig``, ``MetricsConfig`` and ``TrainConfig`` (all of a run: the recipe,
-the model, the data, the metric sinks, where it writes). Pure.
+"""``TrainConfig``: all of a run (the recipe, the model, the data, the metric sinks, where it writes), and its
+exact flag form (``cli_args`` / ``from_cli_args``). The sections besides the recipe live in
+:mod:`raygym.config.sections` (re-exported here). Pure.
 
 >>> cfg = TrainConfig(model=ModelConfig(hf_checkpoint="Qwen/Qwen3-4B"), output_dir="/tmp/run1")
 >>> cfg.run_dir
@@ -9,139 +10,23 @@ the model, the data, the metric sinks, where it writes). Pure.
 from __future__ import annotations
 
 import json
-import re
-import secrets
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import ValidationError, model_validator
 
 from raygym.callables import callable_import_path
-from raygym.config.base import (
-    Section,
-    check_choice,
-    check_int,
-    check_unsupported,
-    config_error_from,
-    option,
-    option_factory,
-    parse_json_object,
-)
-from raygym.config.constants import CUSTOM_FUNCTION_FIELDS, UNSUPPORTED_MODEL_FIELDS
+from raygym.config.base import config_error_from, option, option_factory, parse_json_object
+from raygym.config.constants import CUSTOM_FUNCTION_FIELDS
+from raygym.config.flags import SECTIONS, encode_section, parse_flags
 from raygym.config.recipe import Recipe
+from raygym.config.sections import DatasetConfig, MetricsConfig, ModelConfig, RunLocation, new_run_id
 from raygym.errors import ConfigError
 
-
-class ModelConfig(Section):
-    """The policy model: where the weights are and, optionally, its architecture.
-
-    >>> ModelConfig(hf_checkpoint="builtin:tiny-qwen3").dtype
-    'auto'
-    """
-
-    hf_checkpoint: str = option(
-        ..., "HF checkpoint: a local path, an fsspec URL, an HF id or 'builtin:tiny-qwen3'."
-    )
-    ref_checkpoint: str | None = option(
-        None, "Reference model for KL terms when recipe.ref_load is empty; None = the initial policy weights."
-    )
-    dtype: str = option(
-        "auto",
-        "Trainer compute dtype: 'auto' (bfloat16 on GPU, float32 on CPU), 'bfloat16', 'float16' (Megatron "
-        "backend only) or 'float32'. The torch backend keeps float32 master weights; engines serve the "
-        "checkpoint's own dtype.",
-    )
-    tokenizer: str | None = option(
-        None, "Tokenizer path; not supported, leave unset: every part of a run uses the checkpoint's own."
-    )
-    trust_remote_code: bool = option(
-        False, "Run model code shipped with the checkpoint; not supported (raygym never runs it)."
-    )
-    num_experts: int | None = option(
-        None, "MoE experts per layer (None for dense models or unknown); checked against the checkpoint."
-    )
-    moe_router_topk: int | None = option(
-        None, "Experts each token is routed to (MoE); checked against the checkpoint."
-    )
-    num_layers: int | None = option(
-        None, "Transformer layers (optional; checked against pipeline parallelism and the checkpoint)."
-    )
-    hidden_size: int | None = option(None, "Hidden size (optional; checked against the checkpoint).")
-
-    @model_validator(mode="after")
-    def _validate(self) -> ModelConfig:
-        if not self.hf_checkpoint.strip():
-            raise ConfigError(
-                "hf_checkpoint='': required; set --hf-checkpoint to a path, URL or 'builtin:tiny-qwen3'"
-            )
-        check_choice("dtype", self.dtype, ("auto", "bfloat16", "float16", "float32"))
-        for field in ("num_experts", "moe_router_topk", "num_layers", "hidden_size"):
-            check_int(field, getattr(self, field), 1, optional=True)
-        check_unsupported(self.field_values(), UNSUPPORTED_MODEL_FIELDS)
-        return self
+__all__ = ["DatasetConfig", "MetricsConfig", "ModelConfig", "RunLocation", "TrainConfig", "new_run_id"]
 
 
-class DatasetConfig(Section):
-    """The prompt data: a jsonl/parquet file (path or fsspec URL), ``builtin:next-digit`` or ``builtin:long-tail``.
-
-    >>> DatasetConfig(prompt_data="gsm8k.jsonl", input_key="question", label_key="answer").format
-    'auto'
-    """
-
-    prompt_data: str = option(
-        "builtin:next-digit",
-        "Training prompts: a jsonl/parquet path or fsspec URL, or builtin:next-digit / builtin:long-tail.",
-    )
-    input_key: str = option("prompt", "Column holding the prompt (a string or a list of chat messages).")
-    label_key: str | None = option("label", "Column holding the label passed to the reward function.")
-    metadata_key: str | None = option(
-        "metadata", "Column holding per-row metadata passed to the reward function."
-    )
-    apply_chat_template: bool = option(False, "Format prompts with the tokenizer's chat template.")
-    apply_chat_template_kwargs: dict[str, Any] = option_factory(dict, "Keyword arguments for apply_chat_template.")
-    eval_prompt_data: dict[str, str] = option_factory(dict, "Eval datasets: name -> path or fsspec URL.")
-    format: str = option("auto", "File format: 'auto' (from the extension), 'jsonl' or 'parquet'.")
-
-    @model_validator(mode="after")
-    def _validate(self) -> DatasetConfig:
-        if not self.prompt_data.strip():
-            raise ConfigError("prompt_data='': required; set --prompt-data to a jsonl/parquet path or URL")
-        if not self.input_key:
-            raise ConfigError("input_key='': required; set --input-key to the prompt column (e.g. 'prompt')")
-        if self.label_key and self.label_key == self.input_key:
-            raise ConfigError(
-                f"label_key={self.label_key!r} equals input_key; they must name different columns (--label-key)"
-            )
-        check_choice("format", self.format, ("auto", "jsonl", "parquet"))
-        return self
-
-
-class MetricsConfig(Section):
-    """Where metrics go besides ``metrics.jsonl`` (always written). The W&B key is read from
-    ``WANDB_API_KEY`` in the environment, never from a config."""
-
-    wandb_project: str | None = option(None, "W&B project; None disables W&B.")
-    wandb_group: str | None = option(None, "W&B group.")
-    wandb_name: str | None = option(None, "W&B run name; None = the run id.")
-    wandb_mode: str = option("online", "W&B mode: 'online', 'offline' or 'disabled'.")
-    tensorboard_dir: str | None = option(None, "TensorBoard log directory; None disables TensorBoard.")
-
-    @model_validator(mode="after")
-    def _validate(self) -> MetricsConfig:
-        check_choice("wandb_mode", self.wandb_mode, ("online", "offline", "disabled"))
-        return self
-
-
-def new_run_id() -> str:
-    """A fresh run id: UTC timestamp plus 6 random hex digits, e.g. ``20250101-120000-a1b2c3``."""
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
-
-
-RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class TrainConfig(BaseModel):
+class TrainConfig(RunLocation):
     """Everything a run needs. ``run_id`` is minted once, at construction, and kept.
 
     >>> cfg = TrainConfig(model=ModelConfig(hf_checkpoint="Qwen/Qwen3-4B"), output_dir="/tmp/run1")
@@ -149,14 +34,10 @@ class TrainConfig(BaseModel):
     ('/tmp/run1', '/checkpoints')
     """
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
-
     recipe: Recipe = option_factory(Recipe, "The training recipe.")
     model: ModelConfig = option(..., "The policy model.")
     dataset: DatasetConfig = option_factory(DatasetConfig, "The prompt data.")
     metrics: MetricsConfig = option_factory(MetricsConfig, "Metric sinks besides metrics.jsonl.")
-    output_dir: str | None = option(None, "Run directory (path or fsspec URL); None = runs/<run_id>.")
-    run_id: str = option_factory(new_run_id, "Stable id of the run; generated once when unset.")
 
     def __init__(self, **data: Any) -> None:
         if data.get("run_id") is None:
@@ -177,10 +58,6 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _validate(self) -> TrainConfig:
-        if not RUN_ID.match(self.run_id):
-            raise ConfigError(
-                f"run_id={self.run_id!r}: use letters, digits, '.', '_' and '-' only (--run-id)"
-            )
         self.recipe.validate_model_parallelism(self.model)
         self.recipe.check_trainer_backend()
         return self
@@ -234,8 +111,6 @@ class TrainConfig(BaseModel):
         Booleans are ``--x``/``--no-x``, None is ``--no-x`` (optional fields), dicts and lists are
         JSON, custom functions are import paths (a lambda raises ConfigError).
         """
-        from raygym.config.flags import SECTIONS, encode_section
-
         args: list[str] = []
         for section in SECTIONS:
             args += encode_section(section, self if section == "run" else getattr(self, section))
@@ -243,11 +118,31 @@ class TrainConfig(BaseModel):
 
     @classmethod
     def from_cli_args(cls, args: Sequence[str]) -> TrainConfig:
-        """Build a config from flags: ``[--preset NAME] [@ run.toml] [--flag value ...]``.
+        """Read back what :meth:`cli_args` writes: flags only, every field not given at its default, so
+        ``TrainConfig.from_cli_args(cfg.cli_args()) == cfg``. Bad input raises ConfigError.
 
-        Layers, later wins: the preset (``tiny`` when neither a preset nor ``--hf-checkpoint`` is
-        given anywhere), then TOML files in order, then flags. Bad input raises ConfigError.
+        A command line as users type it (``--preset``, ``@ run.toml``, the tiny preset when no model is given)
+        is read by :func:`raygym.config.loader.load_train_config`, as ``raygym train`` does.
         """
-        from raygym.config.loader import config_from_cli_args
+        preset, sections = parse_flags(list(args))
+        if preset is not None or "hf_checkpoint" not in sections["model"]:
+            given = f"--preset {preset}" if preset is not None else "no --hf-checkpoint"
+            raise ConfigError(
+                f"{given}: TrainConfig.from_cli_args reads the flags cli_args() writes and applies no preset; "
+                "pass --hf-checkpoint, or read the command line with raygym.config.load_train_config (presets, "
+                "TOML files, the tiny preset when no model is given), as `raygym train` does"
+            )
+        return cls.from_sections(sections)
 
-        return config_from_cli_args(list(args))
+    @classmethod
+    def from_sections(cls, sections: Mapping[str, Mapping[str, Any]]) -> TrainConfig:
+        """A config from ``{section: {field: value}}`` (the form flags and TOML files are read into; every
+        section of :data:`raygym.config.flags.SECTIONS` present, ``"run"`` holding ``output_dir`` / ``run_id``).
+        """
+        return cls(
+            recipe=Recipe(**sections["recipe"]),
+            model=ModelConfig(**sections["model"]),
+            dataset=DatasetConfig(**sections["dataset"]),
+            metrics=MetricsConfig(**sections["metrics"]),
+            **sections["run"],
+        )

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from raygym.config import TrainConfig
+from raygym.config import load_train_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -96,7 +96,7 @@ def as_text(view: dict[str, Any]) -> str:
 def test_first_steps_of_the_tiny_run_match_the_golden_file(ray_local, tmp_path):
     from raygym.driver import train
 
-    cfg = TrainConfig.from_cli_args([*COMMAND, "--output-dir", str(tmp_path / "run")])
+    cfg = load_train_config([*COMMAND, "--output-dir", str(tmp_path / "run")])
     result = train(cfg)
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
     observed = golden_view(rows)

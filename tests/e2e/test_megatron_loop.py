@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from raygym.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
-from raygym.config import TrainConfig, megatron_installed
+from raygym.config import load_train_config, megatron_installed
 
 pytestmark = [
     pytest.mark.e2e,
@@ -28,7 +28,7 @@ KL = ["--use-kl-loss", "--kl-loss-coef", "0.05"]
 def run(out: Path, *flags: str):
     from raygym.driver import train
 
-    cfg = TrainConfig.from_cli_args(["--trainer-backend", "megatron", *SMALL, "--output-dir", str(out), *flags])
+    cfg = load_train_config(["--trainer-backend", "megatron", *SMALL, "--output-dir", str(out), *flags])
     return train(cfg)
 
 

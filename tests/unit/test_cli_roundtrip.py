@@ -1,5 +1,6 @@
 """TrainConfig.cli_args() / TrainConfig.from_cli_args(): an exact round trip for every field of every
-model (a seeded property test over many random valid configs), plus TOML run files."""
+model (a seeded property test over many random valid configs), plus what users type (load_train_config:
+presets, TOML run files)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import typing
 import pytest
 
 from raygym import ConfigError, DatasetConfig, MetricsConfig, ModelConfig, Recipe, TrainConfig
-from raygym.config import FLAGS, format_cli_help
+from raygym.config import FLAGS, format_cli_help, load_train_config
 from raygym.config.constants import RECIPE_CHOICES, UNSUPPORTED_MODEL_FIELDS, UNSUPPORTED_RECIPE_FIELDS
 
 N_CONFIGS = 200
@@ -238,7 +239,7 @@ def test_flags_are_slime_style():
 
 
 def test_false_and_none_override_true_and_values():
-    cfg = TrainConfig.from_cli_args(
+    cfg = load_train_config(
         ["--preset", "qwen3-4b", "--no-colocate", "--rollout-num-gpus", "8", "--no-eval-interval"]
     )
     assert cfg.recipe.colocate is False and cfg.recipe.eval_interval is None
@@ -265,11 +266,22 @@ def test_lambdas_and_local_functions_raise():
 
 
 def test_no_flags_means_the_tiny_preset():
-    cfg = TrainConfig.from_cli_args([])
+    cfg = load_train_config([])
     assert cfg.model.hf_checkpoint == "builtin:tiny-qwen3"
     assert cfg.dataset.prompt_data == "builtin:next-digit"
     assert cfg.recipe.trainer_backend == "torch" and cfg.recipe.rm_type == "next_digit"
-    assert TrainConfig.from_cli_args(["--num-rollout", "3"]).recipe.rm_type == "next_digit"
+    assert load_train_config(["--num-rollout", "3"]).recipe.rm_type == "next_digit"
+
+
+def test_from_cli_args_applies_no_preset():
+    # The config classes know no preset: a preset (or none, meaning tiny) is the command line's reading.
+    for args, named in ((["--num-rollout", "3"], "no --hf-checkpoint"), (["--preset", "tiny"], "--preset tiny")):
+        with pytest.raises(ConfigError, match=f"{named}: .*applies no preset.*load_train_config"):
+            TrainConfig.from_cli_args(args)
+    with pytest.raises(ConfigError, match="unrecognized arguments: @run.toml"):
+        TrainConfig.from_cli_args(["@run.toml", "--hf-checkpoint", "m"])
+    cfg = TrainConfig.from_cli_args(["--hf-checkpoint", "m", "--num-rollout", "3"])
+    assert cfg == TrainConfig(recipe=Recipe(num_rollout=3), model=ModelConfig(hf_checkpoint="m"), run_id=cfg.run_id)
 
 
 def test_bad_flags_raise_config_errors():
@@ -282,7 +294,7 @@ def test_bad_flags_raise_config_errors():
     with pytest.raises(ConfigError, match="lr='fast'"):
         TrainConfig.from_cli_args(["--lr", "fast"])
     with pytest.raises(ConfigError, match="preset='qwen9'"):
-        TrainConfig.from_cli_args(["--preset", "qwen9"])
+        load_train_config(["--preset", "qwen9"])
     with pytest.raises(ConfigError, match="environment"):
         TrainConfig.from_cli_args(["--environment", "{bad"])
 
@@ -316,7 +328,7 @@ def test_toml_tables_then_flags_override(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text(TOML_TABLES)
     for include in (["@", str(path)], [f"@{path}"]):
-        cfg = TrainConfig.from_cli_args([*include, "--lr", "2e-6", "--wandb-group", "g"])
+        cfg = load_train_config([*include, "--lr", "2e-6", "--wandb-group", "g"])
         assert cfg.recipe.lr == 2e-6  # flag beats file
         assert cfg.recipe.colocate is False and cfg.recipe.rollout_num_gpus == 8
         assert cfg.recipe.environment == {"NCCL_DEBUG": "INFO"}
@@ -333,11 +345,11 @@ def test_toml_flat_keys_and_later_files_win(tmp_path):
     first.write_text('preset = "tiny"\nnum_rollout = 5\nprompt_data = "data.jsonl"\nwandb_mode = "offline"\n')
     second = tmp_path / "b.toml"
     second.write_text("num_rollout = 6\n")
-    cfg = TrainConfig.from_cli_args([f"@{first}", f"@{second}"])
+    cfg = load_train_config([f"@{first}", f"@{second}"])
     assert cfg.recipe.num_rollout == 6 and cfg.recipe.rollout_engine == "raygym"
     assert cfg.dataset.prompt_data == "data.jsonl" and cfg.metrics.wandb_mode == "offline"
     # an @-looking value of a flag is a value, not a file
-    cfg = TrainConfig.from_cli_args([f"@{first}", "--wandb-name", "@home"])
+    cfg = load_train_config([f"@{first}", "--wandb-name", "@home"])
     assert cfg.metrics.wandb_name == "@home"
 
 
@@ -345,17 +357,17 @@ def test_toml_errors(tmp_path):
     bad_key = tmp_path / "bad.toml"
     bad_key.write_text("[recipe]\nlrr = 1.0\n")
     with pytest.raises(ConfigError, match=r"\[recipe\] lrr: not a field of Recipe \(did you mean lr"):
-        TrainConfig.from_cli_args([f"@{bad_key}"])
+        load_train_config([f"@{bad_key}"])
     broken = tmp_path / "broken.toml"
     broken.write_text("lr = = 1\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
-        TrainConfig.from_cli_args([f"@{broken}"])
+        load_train_config([f"@{broken}"])
     with pytest.raises(ConfigError, match="does not exist"):
-        TrainConfig.from_cli_args([f"@{tmp_path / 'missing.toml'}"])
+        load_train_config([f"@{tmp_path / 'missing.toml'}"])
     wrong_type = tmp_path / "type.toml"
     wrong_type.write_text("num_rollout = 2.0\n")
     with pytest.raises(ConfigError, match="num_rollout=2.0"):
-        TrainConfig.from_cli_args([f"@{wrong_type}"])
+        load_train_config([f"@{wrong_type}"])
 
 
 def test_json_dict_round_trip():

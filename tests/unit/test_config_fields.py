@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from raygym.config import DatasetConfig, MetricsConfig, ModelConfig, Recipe, TrainConfig
+from raygym.config import DatasetConfig, MetricsConfig, ModelConfig, Recipe, load_train_config
 from raygym.config.constants import UNSUPPORTED_MODEL_FIELDS, UNSUPPORTED_RECIPE_FIELDS
 from raygym.config.views import VIEWS, build_view, view_extras, view_problems
 from raygym.errors import ConfigError
@@ -179,7 +179,7 @@ READ_BY = {
         "sglang_config": "raygym/rollout/sglang_args.py",
         "sglang_request_params": "raygym/rollout/manager.py",
         "rollout_engine_python": "raygym/rollout/engine.py",
-        "extra_config": "raygym/config/recipe.py",
+        "extra_config": "raygym/config/recipe_fields.py",
         "apply_chat_template_kwargs": "raygym/data.py",
     },
     "ModelConfig": {
@@ -240,7 +240,7 @@ def test_a_refused_recipe_field_is_a_config_error_with_its_reason(field):
     with pytest.raises(ConfigError, match=rf"^{field}=.*not supported by raygym \(.+\)"):
         Recipe(**{field: REFUSED_VALUES[field]})
     with pytest.raises(ConfigError, match=field):
-        TrainConfig.from_cli_args(["--preset", "tiny", "--" + field.replace("_", "-"), str(REFUSED_VALUES[field])])
+        load_train_config(["--preset", "tiny", "--" + field.replace("_", "-"), str(REFUSED_VALUES[field])])
     assert Recipe(**{field: Recipe.model_fields[field].default})  # the default is accepted
 
 

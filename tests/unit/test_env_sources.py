@@ -12,6 +12,7 @@ import pytest
 
 from raygym import TrainConfig
 from raygym.builtin import build_tokenizer
+from raygym.config import load_train_config
 from raygym.data_prepare import PrepareOptions, prepare_dataset
 from raygym.envs import Environment, EpisodeRunner, Step
 from raygym.envs.chat_tokens import ChatTokens
@@ -71,10 +72,10 @@ def test_env_specs_parse_and_refuse_malformed_ones():
         with pytest.raises(ConfigError, match=needle):
             parse_env_spec(bad)
     # the config accepts them (and only well-formed ones) and round-trips them through the CLI
-    cfg = TrainConfig.from_cli_args(["--rollout-env", "openenv:a.b:app?sessions=4", "--rm-type", "env"])
+    cfg = load_train_config(["--rollout-env", "openenv:a.b:app?sessions=4", "--rm-type", "env"])
     assert TrainConfig.from_cli_args(cfg.cli_args()) == cfg
     with pytest.raises(ConfigError, match="unknown option"):
-        TrainConfig.from_cli_args(["--rollout-env", "openenv:a.b?bogus=1"])
+        load_train_config(["--rollout-env", "openenv:a.b?bogus=1"])
 
 
 # ── reasoning-gym ────────────────────────────────────────────────────────────────────────────────────
@@ -114,7 +115,7 @@ def test_reasoning_gym_rows_are_seeded_and_scored_by_the_tasks_own_scorer():
 ])
 def test_reasoning_gym_bad_uris_are_config_errors_before_ray(tmp_path, uri, needle):
     pytest.importorskip("reasoning_gym")
-    cfg = TrainConfig.from_cli_args(["--prompt-data", uri, "--rm-type", "reasoning_gym", "--output-dir",
+    cfg = load_train_config(["--prompt-data", uri, "--rm-type", "reasoning_gym", "--output-dir",
                                      str(tmp_path)])
     with pytest.raises(ConfigError, match=needle):
         preflight(cfg)
@@ -129,13 +130,13 @@ def test_data_prepare_generates_a_reasoning_gym_task_and_the_run_scores_it(tmp_p
     row = json.loads((out / "train.jsonl").read_text().splitlines()[0])
     assert row["metadata"]["reasoning_gym"]["task"] == "chain_sum"
     assert reasoning_gym_reward(row["label"], row["label"], row["metadata"]) == 1.0
-    facts = preflight(TrainConfig.from_cli_args(["--prompt-data", str(out / "train.jsonl"), "--rm-type",
+    facts = preflight(load_train_config(["--prompt-data", str(out / "train.jsonl"), "--rm-type",
                                                  "reasoning_gym", "--output-dir", str(tmp_path / "run")]))
     assert [f.name for f in facts.rewards] == ["reasoning_gym"] and facts.data.rows == 40
     other = tmp_path / "plain.jsonl"
     other.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
     with pytest.raises(ConfigError, match="no metadata\\['reasoning_gym'\\]"):
-        preflight(TrainConfig.from_cli_args(["--prompt-data", str(other), "--rm-type", "reasoning_gym",
+        preflight(load_train_config(["--prompt-data", str(other), "--rm-type", "reasoning_gym",
                                              "--output-dir", str(tmp_path / "run2")]))
     with pytest.raises(ConfigError, match="drop --size"):
         PrepareOptions(source=str(other), out_dir=str(tmp_path / "x"), size=3).validate()

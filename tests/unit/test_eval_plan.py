@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from raygym.checkpoint import save_checkpoint
-from raygym.config import DatasetConfig, ModelConfig, TrainConfig
+from raygym.config import DatasetConfig, ModelConfig, TrainConfig, load_train_config
 from raygym.errors import ConfigError
 from raygym.evaluate import dataset_name, engine_allocation, pass_ks, plan_eval, summarize, take_options
 from raygym.model_source import resolve_model_source
@@ -118,17 +118,16 @@ def test_summarize_adds_unbiased_pass_at_k():
 
 def test_the_builtin_task_has_a_held_out_eval_split_used_by_default(tmp_path):
     from raygym.builtin import materialize_dataset
-    from raygym.config import TrainConfig
     from raygym.data import eval_dataset_urls
 
-    cfg = TrainConfig.from_cli_args([])  # what `raygym train` with no flags runs
+    cfg = load_train_config([])  # what `raygym train` with no flags runs
     assert eval_dataset_urls(cfg) == {"next-digit": "builtin:next-digit#eval"}
     train_rows = materialize_dataset("builtin:next-digit", tmp_path)
     eval_rows = materialize_dataset("builtin:next-digit#eval", tmp_path)
     assert train_rows != eval_rows and len(open(eval_rows).read().splitlines()) == 64
-    named = TrainConfig.from_cli_args(["--eval-prompt-data", '{"mine": "x.jsonl"}'])
+    named = load_train_config(["--eval-prompt-data", '{"mine": "x.jsonl"}'])
     assert eval_dataset_urls(named) == {"mine": "x.jsonl"}  # named eval data replaces the default
-    own = TrainConfig.from_cli_args(["--prompt-data", "x.jsonl", "--rm-type", "exact"])
+    own = load_train_config(["--prompt-data", "x.jsonl", "--rm-type", "exact"])
     assert eval_dataset_urls(own) == {}  # other data has no split to hold out: raygym eval asks for one
 
 

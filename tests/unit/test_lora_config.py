@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raygym.config import Recipe, TrainConfig
+from raygym.config import Recipe, TrainConfig, load_train_config
 from raygym.errors import ConfigError
 from raygym.lora import (
     LoraSpec,
@@ -67,7 +67,7 @@ def test_lora_settings_that_work():
     assert spec == LoraSpec(16, 32.0, 0.05, ("q_proj", "v_proj")) and spec.scaling == 2.0
     assert LoraSpec.from_recipe(Recipe()) is None
     Recipe(lora_rank=8, rollout_engine="raygym", colocate=False, update_weight_mode="delta")  # raygym takes deltas
-    cfg = TrainConfig.from_cli_args(["--preset", "tiny", "--lora-rank", "8", "--lora-target-modules", "q_proj,v_proj"])
+    cfg = load_train_config(["--preset", "tiny", "--lora-rank", "8", "--lora-target-modules", "q_proj,v_proj"])
     assert TrainConfig.from_cli_args(cfg.cli_args()) == cfg
     assert (cfg.recipe.lora_rank, cfg.recipe.lora_target_modules) == (8, "q_proj,v_proj")
 
