@@ -1,7 +1,7 @@
 """Things raygym ships so that a run needs no download: a tiny Qwen3 model with a character
 tokenizer, and a synthetic, verifiable task.
 
-URIs: ``builtin:tiny-qwen3`` (model), ``builtin:next-digit`` and ``builtin:long-tail`` (datasets, each
+URIs: ``builtin:tiny-qwen3`` and ``builtin:tiny-qwen3-moe`` (models), ``builtin:next-digit`` and ``builtin:long-tail`` (datasets, each
 with its reward: :data:`BUILTIN_TASKS`). They are materialised into a local directory on first use; the same
 seed always gives the same files.
 
@@ -24,6 +24,7 @@ from typing import Any
 
 BUILTIN_PREFIX = "builtin:"
 TINY_MODEL = "builtin:tiny-qwen3"
+TINY_MOE_MODEL = "builtin:tiny-qwen3-moe"
 NEXT_DIGIT_TASK = "builtin:next-digit"
 NEXT_DIGIT_ROWS = 1024  # rows of a materialised builtin dataset
 # Repeat rows, "rep:7x3=" -> "777": one row in LONG_EVERY asks for LONG_REPEATS copies ("long:7x45="), the
@@ -57,6 +58,21 @@ TINY_ARCH: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+# The MoE sibling: Qwen3-MoE with 8 experts, top-2, every layer sparse. head_dim 32 so that vLLM's CPU attention
+# (head sizes >= 32) runs it as it is; the other widths are the dense model's.
+TINY_MOE_ARCH: dict[str, Any] = {
+    **TINY_ARCH,
+    "head_dim": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.0,
+}
+BUILTIN_MODELS = {TINY_MODEL: "tiny-qwen3", TINY_MOE_MODEL: "tiny-qwen3-moe"}
+
 
 def is_builtin(uri: str | None) -> bool:
     return bool(uri) and str(uri).startswith(BUILTIN_PREFIX)
@@ -80,33 +96,34 @@ def build_tokenizer():
     return fast
 
 
-def build_tiny_model(seed: int = 0, **overrides: Any):
-    """A randomly initialised Qwen3ForCausalLM of about 0.1M parameters (deterministic in ``seed``)."""
+def build_tiny_model(seed: int = 0, uri: str = TINY_MODEL, **overrides: Any):
+    """A randomly initialised Qwen3ForCausalLM of about 0.1M parameters (deterministic in ``seed``), or with
+    ``uri=TINY_MOE_MODEL`` its Qwen3MoeForCausalLM sibling."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     tok = build_tokenizer()
-    arch = {**TINY_ARCH, **overrides}
-    config = Qwen3Config(
-        vocab_size=len(tok), pad_token_id=0, eos_token_id=1, bos_token_id=1, torch_dtype="float32", **arch
-    )  # type: ignore[call-arg]  # torch_dtype: accepted at runtime (transformers 4.x name), absent from 5.x's signature
+    moe = uri == TINY_MOE_MODEL
+    arch = {"vocab_size": len(tok), "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1, "torch_dtype": "float32",
+            **(TINY_MOE_ARCH if moe else TINY_ARCH), **overrides}  # torch_dtype: transformers 4.x's name
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**arch)) if moe else Qwen3ForCausalLM(Qwen3Config(**arch))
     return model, tok
 
 
 def materialize_model(uri: str, directory: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
     """Write the builtin model ``uri`` under ``directory`` (once) and return its local path."""
-    if uri != TINY_MODEL:
+    if uri not in BUILTIN_MODELS:
         from raygym.errors import ConfigError
 
-        raise ConfigError(f"hf_checkpoint={uri!r}: unknown builtin model; the builtin model is {TINY_MODEL!r}")
+        raise ConfigError(f"hf_checkpoint={uri!r}: unknown builtin model; the builtin models are "
+                          f"{', '.join(map(repr, BUILTIN_MODELS))}")
     suffix = "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items())) if overrides else ""
-    path = Path(directory) / f"tiny-qwen3-seed{seed}{suffix}"  # one directory per architecture
+    path = Path(directory) / f"{BUILTIN_MODELS[uri]}-seed{seed}{suffix}"  # one directory per architecture
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         return str(path)
-    model, tok = build_tiny_model(seed, **overrides)
+    model, tok = build_tiny_model(seed, uri, **overrides)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     from transformers.utils import logging as hf_logging
 

@@ -6,7 +6,10 @@ No Ray, no torch at import: these are the shapes every actor agrees on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -45,6 +48,9 @@ class Sample:
     trace: dict[str, Any] | None = None  # sampled request trace when capture_trace is on
     metrics: dict[str, float] = field(default_factory=dict)  # per-sample numbers, logged as rollout/<name> means
     teacher_log_probs: list[float] | None = None  # distillation: the teacher's log-prob of each response token
+    # MoE routing replay: the experts the engine routed each forwarded token to, [tokens - 1, layers * top_k]
+    # int16 (raygym/routed_experts.py); None when the engine returned none
+    routed_experts: np.ndarray | None = None
 
     @property
     def response_length(self) -> int:

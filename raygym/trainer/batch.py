@@ -53,6 +53,9 @@ class TrainBatch:
     # for the log-prob mismatch split by staleness (ages 0 .. age_buckets - 1; older ones fold into the last)
     token_ages: list[torch.Tensor] | None = None
     age_buckets: int = 0
+    # MoE routing replay: per sample the experts the engine routed each forwarded token to, flattened
+    # [tokens - 1, layers * top_k] rows as 1-D int16 (raygym/routed_experts.py); empty for a sample without them
+    routed_experts: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -81,6 +84,10 @@ class TrainBatch:
             first = samples[0].group_index if samples else 0
             group_size = next((i for i, s in enumerate(samples) if s.group_index != first), len(samples)) or 1
         has_rollout = all(len(r) == n for r, n in zip(rollout, rlens, strict=True)) and len(samples) > 0
+        routed = None
+        if any(s.routed_experts is not None for s in samples):
+            routed = [torch.empty(0, dtype=torch.int16) if s.routed_experts is None
+                      else torch.tensor(s.routed_experts.reshape(-1), dtype=torch.int16) for s in samples]
         return cls(
             tokens,
             plens,
@@ -89,6 +96,7 @@ class TrainBatch:
             rewards,
             group_size,
             rollout_log_probs=rollout if has_rollout else None,
+            routed_experts=routed,
         )
 
     def total_lengths(self) -> list[int]:

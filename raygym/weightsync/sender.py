@@ -40,6 +40,7 @@ import torch
 from raygym.config import Recipe
 from raygym.engine_kinds import capabilities, check_weight_sync, payload_modes
 from raygym.errors import ConfigError, WeightSyncError
+from raygym.weightsync import moe_names
 from raygym.weightsync.buckets import BucketPlanner
 from raygym.weightsync.codec import (
     ENCODINGS,
@@ -430,7 +431,8 @@ class RankWeightSync:
              refresh_snapshot: bool = True) -> dict[str, Any]:
         if self.sender is None:
             return drain(weights)
-        return self.sender.push(version, weights, force_full=force_full, refresh_snapshot=refresh_snapshot)
+        named = moe_names.for_engine(weights, self.sender.spec.engine_kind)  # MoE experts as the engines load them
+        return self.sender.push(version, named, force_full=force_full, refresh_snapshot=refresh_snapshot)
 
     def commit(self, version: int) -> None:
         if self.sender is not None:
