@@ -145,6 +145,7 @@ def main() -> None:
         emit("vllm_gpu_check", skipped="no CUDA device")
         return
     from raygym.config import Recipe
+    from raygym.engine_protocol import Endpoint, GenerateRequest
     from raygym.rollout.auth import new_engine_api_key, use_engine_api_key
     from raygym.rollout.engine import EngineActor
     from raygym.weightsync.coordinator import WeightSync
@@ -170,8 +171,8 @@ def main() -> None:
         @step("throughput")
         def _throughput() -> None:
             def one(prompt: list[int]) -> int:
-                out = engine.generate({"input_ids": prompt, "sampling_params": {
-                    "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}})
+                out = engine.generate(GenerateRequest.model_validate({"input_ids": prompt, "sampling_params": {
+                    "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}}))
                 return out["meta_info"]["completion_tokens"]
 
             with ThreadPoolExecutor(PROMPTS) as pool:
@@ -187,8 +188,8 @@ def main() -> None:
 
         @step("mismatch")
         def _mismatch() -> None:
-            answers = engine.generate({"input_ids": prompts[:16], "return_logprob": True, "sampling_params": [
-                {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True, "sampling_seed": i} for i in range(16)]})
+            answers = engine.generate(GenerateRequest.model_validate({"input_ids": prompts[:16], "return_logprob": True, "sampling_params": [
+                {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True, "sampling_seed": i} for i in range(16)]}))
             responses = [[t for _, t, _ in ans["meta_info"]["output_token_logprobs"]] for ans in answers]
             mine = trainer.probe_log_probs(prompts[:16], responses)
             diffs = [abs(lp - want) for ans, row in zip(answers, mine, strict=True)
@@ -206,9 +207,9 @@ def main() -> None:
         def _sleep_wake() -> None:
             pid = engine.pid()
             before = engine_gpu_mib(pid)
-            engine.call("release_memory_occupation")
+            engine.call(Endpoint.RELEASE_MEMORY)
             released = engine_gpu_mib(pid)
-            engine.call("resume_memory_occupation", tags=["weights"])
+            engine.call(Endpoint.RESUME_MEMORY, tags=["weights"])
             recipe = Recipe(colocate=True, update_weight_transport="ipc", **base)
             sync = WeightSync(recipe, [trainer], [engine.url()], engine_kind="vllm", session=True,
                               spec_overrides={"cast_dtype": "bfloat16", "master_address": "127.0.0.1"})
@@ -216,8 +217,8 @@ def main() -> None:
             trainer.step()
             metrics = sync.push(999)
             sync.shutdown()
-            engine.call("resume_memory_occupation", tags=["kv_cache"])
-            out = engine.generate({"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}})
+            engine.call(Endpoint.RESUME_MEMORY, tags=["kv_cache"])
+            out = engine.generate(GenerateRequest.model_validate({"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}))
             emit("vllm_sleep_wake", engine_gpu_mib_before=before, engine_gpu_mib_released=released,
                  engine_gpu_mib_after=engine_gpu_mib(pid), probe_logprob_diff_mean=metrics["sync/probe_logprob_diff_mean"],
                  generated=out["meta_info"]["completion_tokens"])

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from raygym.builtin import TINY_MODEL, build_tokenizer, materialize_model, next_digit_rows  # noqa: E402
+from raygym.engine_protocol import Endpoint, GenerateRequest  # noqa: E402
 from raygym.presets import tiny  # noqa: E402
 from raygym.rollout.engine import EngineActor  # noqa: E402
 
@@ -91,12 +92,12 @@ def server_seconds(
     actor: EngineActor, pool: ThreadPoolExecutor, prompts: list[list[int]], new_tokens: int
 ) -> float:
     def one(p: list[int]) -> int:
-        out = actor.generate(
+        out = actor.generate(GenerateRequest.model_validate(
             {
                 "input_ids": p,
                 "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
             }
-        )
+        ))
         return out["meta_info"]["completion_tokens"]
 
     start = time.perf_counter()
@@ -159,7 +160,7 @@ def main() -> None:
             for _ in range(args.repeats):  # interleaved so machine load hits both alike
                 base.append(baseline_seconds(model, prompts, args.new_tokens))
                 served.append(server_seconds(actor, pool, prompts, args.new_tokens))
-            stats = actor.call("stats")
+            stats = actor.call(Endpoint.RAYGYM_STATS)
         finally:
             pool.shutdown()
             actor.close()

@@ -17,6 +17,7 @@ import torch
 from rollout import ARCHS, baseline_seconds, make_prompts, server_seconds
 
 from raygym.builtin import NEXT_DIGIT_TASK, TINY_MODEL, materialize_model
+from raygym.engine_protocol import GenerateRequest
 from raygym.presets import tiny
 from raygym.rollout.engine import EngineActor
 
@@ -40,9 +41,9 @@ def start_engine(kind: str, model_path: str, args: argparse.Namespace, max_runni
 
 def sampled_logprobs(actor: EngineActor, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list[float]]]:
     """Each prompt's seeded sample at temperature 1 and the engine's log-probs of its tokens."""
-    answers = actor.generate({"input_ids": prompts, "return_logprob": True,
+    answers = actor.generate(GenerateRequest.model_validate({"input_ids": prompts, "return_logprob": True,
                               "sampling_params": [{"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True,
-                                                   "sampling_seed": 1000 + i} for i in range(len(prompts))]})
+                                                   "sampling_seed": 1000 + i} for i in range(len(prompts))]}))
     return [([int(t) for _, t, _ in a["meta_info"]["output_token_logprobs"]],
              [float(lp) for lp, _, _ in a["meta_info"]["output_token_logprobs"]]) for a in answers]
 

@@ -50,8 +50,9 @@ async def _drive(send, texts: list[str], concurrency: int) -> float:
 
 
 def direct_seconds(model_dir: str, texts: list[str], new_tokens: int, concurrency: int) -> float:
+    from raygym.engine_client import EngineClient
+    from raygym.engine_protocol import GenerateRequest
     from raygym.presets import tiny
-    from raygym.rollout.client import EngineClient
     from raygym.rollout.engine import EngineActor
 
     tok = build_tokenizer()
@@ -62,8 +63,8 @@ def direct_seconds(model_dir: str, texts: list[str], new_tokens: int, concurrenc
         async def run() -> float:
             async with EngineClient(engine.url()) as client:
                 async def send(i: int, text: str) -> None:
-                    await client.generate({"input_ids": [tok.encode(text)], "return_logprob": True,
-                                           "sampling_params": [{"max_new_tokens": new_tokens, "temperature": 0.0}]})
+                    await client.generate(GenerateRequest.model_validate({"input_ids": [tok.encode(text)], "return_logprob": True,
+                                           "sampling_params": [{"max_new_tokens": new_tokens, "temperature": 0.0}]}))
                 return await _drive(send, texts, concurrency)
         return asyncio.run(run())
     finally:

@@ -41,6 +41,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from raygym.engine_protocol import Endpoint, ShadowBegin, ShadowSwitch, WeightsChecksum  # noqa: E402
+
 MACHINE = {"cores": os.cpu_count(), "device": "cpu", "torch": torch.__version__, "platform": platform.platform()}
 MODES = ("full", "delta", "auto")
 
@@ -260,11 +262,11 @@ def transport_figures(versions, rx, rx_shadow, args, memcpy_s: float) -> None:
             out, to = (shadow_sender, shadow_links) if shadow else (sender, links)
             if shadow:
                 for link in to:
-                    assert link.call("raygym/shadow_begin", {"full": True}, 300)["success"]
+                    assert link.call(Endpoint.RAYGYM_SHADOW_BEGIN, ShadowBegin(full=True), 300)["success"]
             metrics[version] = out.push(version, versions[0].items())["metrics"]
             if shadow:
                 for link in to:
-                    assert link.call("raygym/shadow_switch", {"weight_version": str(version)}, 300)["success"]
+                    assert link.call(Endpoint.RAYGYM_SHADOW_SWITCH, ShadowSwitch(weight_version=str(version)), 300)["success"]
             out.commit(version)
 
         # warm-up (not timed): buffers allocated and pages touched once, as in a run with many syncs
@@ -283,7 +285,7 @@ def transport_figures(versions, rx, rx_shadow, args, memcpy_s: float) -> None:
                     to = shadow_links if key == "shadowed" else links
                     t0 = time.perf_counter()
                     answers = list(sender.transport._pool.map(
-                        lambda link: link.call("weights_checksum", {"names": None}, 300)["checksums"], to))
+                        lambda link: link.call(Endpoint.RAYGYM_WEIGHTS_CHECKSUM, WeightsChecksum(names=None), 300)["checksums"], to))
                     verify[key].append(time.perf_counter() - t0)
                     for link, got in zip(to, answers, strict=True):
                         assert got == want, f"{link.name} differs after a {key} sync"

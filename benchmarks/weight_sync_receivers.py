@@ -18,6 +18,8 @@ from concurrent.futures import Future
 
 import torch
 
+from raygym.engine_protocol import Endpoint, body_fields
+
 CLONE_NEWNET = 0x40000000
 
 
@@ -74,7 +76,7 @@ def receiver_main(conn, shapes: dict[str, tuple[tuple[int, ...], str]], netns: s
             answers.put(None)
             sender.join(timeout=60)
             return
-        name = method_name(endpoint)
+        name = method_name(endpoint) if isinstance(endpoint, Endpoint) else endpoint
         if name == "update_weights_from_distributed":  # pipelined: bucket k+1 is received while k loads
             last = receiver.submit_distributed(**payload)
             answers.put(last)
@@ -106,11 +108,12 @@ class PipeEngineLink:
         self._waiting: deque[Future] = deque()
         threading.Thread(target=self._read, daemon=True).start()
 
-    def call(self, endpoint, payload, timeout, method="POST"):
+    def call(self, endpoint, body, timeout):
+        """``endpoint``: a protocol Endpoint with its request model, or ``"raw_broadcast"`` with a dict."""
         fut: Future = Future()
         with self._lock:
             self._waiting.append(fut)
-            self.conn.send((endpoint, payload))
+            self.conn.send((endpoint, body if isinstance(body, dict) else body_fields(body)))
         return fut.result(timeout=timeout)
 
     def _read(self) -> None:
@@ -135,7 +138,7 @@ class Receivers:
             self.procs.append(proc)
             self.links.append(PipeEngineLink(a, f"receiver{tag}{i}"))
         for link in self.links:  # started and holding their model: nothing else competes for the CPU later
-            assert link.call("model_info", {}, 600)["is_generation"]
+            assert link.call(Endpoint.MODEL_INFO, None, 600)["is_generation"]
 
     def close(self) -> None:
         for link in self.links:

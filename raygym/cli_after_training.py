@@ -34,8 +34,12 @@ config.json, then the flags (e.g. --rm-type, --custom-rm-function, --n-samples-p
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--route-prefix", default="/", show_default=True)
 @click.option("--model-name", default=None, help="Model id clients send (default: from the checkpoint).")
-@click.option("--engine", default="auto", show_default=True, type=click.Choice(["auto", "raygym", "sglang"]),
-              help="auto = SGLang where CUDA and sglang are present, else raygym's server.")
+@click.option("--engine", default="auto", show_default=True, type=click.Choice(["auto", "raygym", "sglang", "vllm"]),
+              help="auto = SGLang where CUDA and sglang are present, else raygym's server; vllm = vLLM behind "
+                   "raygym's adapter.")
+@click.option("--engine-python", default=None,
+              help="Interpreter that runs the engine (SGLang or vLLM installed there; default: the run's "
+                   "rollout_engine_python, else this one).")
 @click.option("--replicas", "num_replicas", default=1, show_default=True, type=int, help="Fixed replica count.")
 @click.option("--min-replicas", default=None, type=int, help="Autoscaling lower bound (with --max-replicas).")
 @click.option("--max-replicas", default=None, type=int, help="Autoscale up to this many replicas.")
@@ -55,7 +59,7 @@ config.json, then the flags (e.g. --rm-type, --custom-rm-function, --n-samples-p
 @click.option("--api-key", "api_key_on_argv", default=None, hidden=True)
 @click.option("--detach", is_flag=True, help="On an existing cluster (RAY_ADDRESS): deploy and return.")
 def serve_command(source: str, host: str, port: int, route_prefix: str, model_name: str | None, engine: str,
-                  num_replicas: int, min_replicas: int | None, max_replicas: int | None,
+                  engine_python: str | None, num_replicas: int, min_replicas: int | None, max_replicas: int | None,
                   target_ongoing_requests: float, max_ongoing_requests: int, gpus_per_replica: int | None,
                   cpus_per_replica: float, max_replicas_per_node: int | None, placement_strategy: str,
                   default_max_tokens: int, api_key_file: str | None, api_key_on_argv: str | None,
@@ -85,6 +89,8 @@ def serve_command(source: str, host: str, port: int, route_prefix: str, model_na
     recipe = dict((resolved.run_config or {}).get("recipe") or {})
     engine_settings = {**recipe, "sglang_max_running_requests": recipe.get("sglang_max_running_requests")
                        or max_ongoing_requests}
+    if engine_python:
+        engine_settings["rollout_engine_python"] = engine_python
     settings = replace(settings, model_dir=resolved.hf_dir, model_name=model_name or resolved.name,
                        engine_settings=engine_settings, adapter_dir=resolved.adapter_dir)
     click.echo(f"model: {resolved.checkpoint or resolved.hf_dir} -> {resolved.hf_dir}"

@@ -173,6 +173,7 @@ class GenerateRequest(_Body):
     rid: str | list[str] | None = None
     stream: bool = False
     lora_path: str | list[str | None] | None = None  # the LoRA adapter to generate with, by its loaded name
+    return_routed_experts: bool | list[bool] | None = None  # MoE: meta_info.routed_experts (raygym/routed_experts.py)
 
 
 class PauseGeneration(_Body):
@@ -314,6 +315,19 @@ class _Answer(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
+    def __getitem__(self, key: str) -> Any:
+        """A field by its JSON name, as the JSON reads (``answer["meta_info"]["finish_reason"]["type"]``)."""
+        if key in type(self).model_fields or key in (self.__pydantic_extra__ or {}):
+            return getattr(self, key)
+        raise KeyError(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``answer[key]``, or ``default`` when the answer has no such field."""
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
 
 class FinishReason(_Answer):
     """Why a sample ended: ``length`` (``length`` tokens), ``stop`` (``matched`` token id or string) or
@@ -338,6 +352,7 @@ class GenerateMetaInfo(_Answer):
     output_token_weight_versions: list[str] | None = None  # raygym: the weight version of each output token
     input_token_logprobs: list[list[Any]] | None = None  # first entry's logprob is None
     e2e_latency: float | None = None
+    routed_experts: str | None = None  # MoE, when asked: base64 int32 [tokens - 1, layers, top_k] (SGLang's form)
 
 
 class GenerateResponse(_Answer):

@@ -28,6 +28,7 @@ from typing import Any
 
 from raygym.config.recipe import Recipe
 from raygym.config.views import build_view, recipe_view
+from raygym.engine_protocol import GenerateRequest
 from raygym.types import Sample
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -76,7 +77,7 @@ def render_prompt(settings: JudgeSettings, tokenizer: Any, prompt: Any, response
 
 class JudgeClient:
     """Scores samples with the judge engines (``EngineActor`` handles, or ``clients``: objects with an async
-    ``generate(payload)`` such as :class:`raygym.rollout.client.EngineClient`)."""
+    ``generate(GenerateRequest)`` such as :class:`raygym.engine_client.EngineClient`)."""
 
     def __init__(self, settings: JudgeSettings, tokenizer: Any, *, engines: Sequence[Any] = (),
                  clients: Sequence[Any] = (), linger_s: float = 0.005) -> None:
@@ -95,7 +96,7 @@ class JudgeClient:
 
     async def _ensure_clients(self) -> None:
         if not self._clients:
-            from raygym.rollout.client import EngineClient
+            from raygym.engine_client import EngineClient
 
             urls = await asyncio.gather(*(h.url.remote() for h in self._engines))
             self._clients = [EngineClient(url) for url in urls]
@@ -164,14 +165,14 @@ class JudgeClient:
             client = self._clients[self._next % len(self._clients)]
             self._next += 1
             params = {"temperature": 0.0, "max_new_tokens": self.settings.judge_max_response_len}
-            answers = await client.generate({"input_ids": [ids for ids, _ in batch],
-                                             "sampling_params": [params] * len(batch)})
+            answers = await client.generate(GenerateRequest(input_ids=[ids for ids, _ in batch],
+                                                            sampling_params=[params] * len(batch)))
             self._counts["batches"] += 1
             if not isinstance(answers, list) or len(answers) != len(batch):
                 raise RuntimeError(f"the judge answered {len(batch)} prompts with {answers!r:.200}")
             for (_, future), answer in zip(batch, answers, strict=True):
                 if not future.done():
-                    future.set_result(str(answer.get("text", "")))
+                    future.set_result(answer.text)
         except Exception as exc:
             for _, future in batch:
                 if not future.done():

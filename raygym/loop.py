@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from raygym.config import TrainConfig
+from raygym.engine_protocol import Endpoint
 from raygym.metrics import MetricsLogger, PhaseTimer, apply_substep_timing, progress_line, write_traces
 from raygym.rollout.stream import staleness_metrics
 
@@ -66,7 +67,7 @@ class Colocation:
     def before_train(self, step: int, timer: PhaseTimer) -> None:
         if self.enabled:
             with timer.phase("offload"):
-                self.graph.fleet.call("release_memory_occupation")
+                self.graph.fleet.call(Endpoint.RELEASE_MEMORY)
                 self.events.append(f"{step}:engines.release")
                 call_ranks((self.graph.trainers, self.graph.critics), "onload")
                 self.events.append(f"{step}:trainers.onload")
@@ -76,13 +77,13 @@ class Colocation:
             with timer.phase("offload"):
                 call_ranks((self.graph.trainers, self.graph.critics), "offload")
                 self.events.append(f"{step}:trainers.offload")
-                self.graph.fleet.call("resume_memory_occupation", tags=["weights"])
+                self.graph.fleet.call(Endpoint.RESUME_MEMORY, tags=["weights"])
                 self.events.append(f"{step}:engines.resume_weights")
 
     def after_sync(self, step: int, timer: PhaseTimer) -> None:
         if self.enabled:
             with timer.phase("offload"):
-                self.graph.fleet.call("resume_memory_occupation", tags=["kv_cache"])
+                self.graph.fleet.call(Endpoint.RESUME_MEMORY, tags=["kv_cache"])
                 self.events.append(f"{step}:engines.resume_kv_cache")
 
 

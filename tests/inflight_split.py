@@ -12,7 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from raygym.rollout.responses import continuation_params, finish_type, token_versions
+from raygym.engine_protocol import GenerateRequest
+from raygym.rollout.responses import continuation_params, token_versions
 from raygym.types import Sample
 
 PROMPT = [3, 4, 5, 6]
@@ -41,7 +42,7 @@ def assert_update_mid_generation_splits_versions(engine: Any, sync: Any, trainer
     answer: dict[str, Any] = {}
 
     def generate() -> None:
-        answer["r"] = engine.generate({"input_ids": [PROMPT], "sampling_params": [params], "return_logprob": True})[0]
+        answer["r"] = engine.generate(GenerateRequest.model_validate({"input_ids": [PROMPT], "sampling_params": [params], "return_logprob": True}))[0]
 
     before = copy.deepcopy(trainer.model)
     trainer.train_step()  # version + 1, pushed once the request runs
@@ -52,17 +53,17 @@ def assert_update_mid_generation_splits_versions(engine: Any, sync: Any, trainer
     thread.join(120)
     first = answer["r"]
     meta = first["meta_info"]
-    assert finish_type(meta) == "abort", meta["finish_reason"]
+    assert first.finish_type == "abort", meta["finish_reason"]
     sample = Sample(prompt="", prompt_tokens=list(PROMPT), group_index=0)
     sample.response_tokens = [int(t) for _, t, _ in meta["output_token_logprobs"]]
     sample.rollout_log_probs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
     sample.token_versions = token_versions(meta, sample.response_length, -1)
     assert 0 < sample.response_length < max_new_tokens and set(sample.token_versions) == {version}
 
-    rest = engine.generate({"input_ids": [PROMPT + sample.response_tokens], "return_logprob": True,
-                            "sampling_params": [continuation_params(sample, params, 1)]})[0]
+    rest = engine.generate(GenerateRequest.model_validate({"input_ids": [PROMPT + sample.response_tokens], "return_logprob": True,
+                            "sampling_params": [continuation_params(sample, params, 1)]}))[0]
     rest_meta = rest["meta_info"]
-    assert finish_type(rest_meta) == "length"
+    assert rest.finish_type == "length"
     tail = [int(t) for _, t, _ in rest_meta["output_token_logprobs"]]
     tail_lp = [float(lp) for lp, _, _ in rest_meta["output_token_logprobs"]]
     tail_versions = token_versions(rest_meta, len(tail), -1)

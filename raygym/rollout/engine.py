@@ -3,14 +3,17 @@ on one node.
 
 A plain class; the driver wraps it with ``ray.remote`` (threaded, so that concurrent
 ``generate`` calls overlap: ``ray.remote(max_concurrency=64)(EngineActor)``). Every method is
-synchronous and typed; HTTP goes through one pooled :class:`EngineClient` on a private event
-loop thread.
+synchronous and typed; HTTP goes through one pooled :class:`~raygym.engine_client.EngineClient` on a
+private event loop thread. In-process callers that run an event loop of their own (``raygym serve``'s
+replica) get awaitables and streams on their loop instead (:meth:`EngineActor.generate_async`,
+:meth:`EngineActor.generate_stream`): no thread hop per request.
 
+>>> from raygym.engine_protocol import GenerateRequest
 >>> from raygym.presets import tiny
 >>> actor = EngineActor(tiny(), engine_index=0, model_path="builtin:tiny-qwen3",
 ...                     gpu_ids=[], host="127.0.0.1", backend="raygym")
 >>> url = actor.start()                                  # doctest: +SKIP
->>> actor.generate({"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 2}})  # doctest: +SKIP
+>>> actor.generate(GenerateRequest(input_ids=[3, 4], sampling_params={"max_new_tokens": 2}))  # doctest: +SKIP
 >>> actor.shutdown()                                     # doctest: +SKIP
 """
 
@@ -28,14 +31,15 @@ import sys
 import tempfile
 import threading
 import weakref
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
 from raygym.config import Recipe
+from raygym.engine_client import EngineClient, EngineConnectionError, LoopThread
+from raygym.engine_protocol import ROUTES, Endpoint, GenerateRequest, GenerateResponse
 from raygym.errors import ConfigError, RaygymError
 from raygym.rollout.auth import ENGINE_API_KEY_ENV, engine_api_key
-from raygym.rollout.client import EngineClient, EngineConnectionError
 from raygym.rollout.sglang_args import (
     DELTA_LOADER,
     build_raygym_server_argv,
@@ -54,25 +58,6 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-class _LoopThread:
-    """An asyncio loop on a daemon thread, so sync methods can await the async client."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="engine-actor-http", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self) -> None:
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=5)
-        if not self.loop.is_running():
-            self.loop.close()
 
 
 class EngineActor:
@@ -132,8 +117,10 @@ class EngineActor:
         self._proc: subprocess.Popen | None = None
         self._port: int | None = None
         self._log_file: Any = None
-        self._loop = _LoopThread()
+        self._loop = LoopThread("engine-actor-http")
         self._client: EngineClient | None = None
+        self._caller_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EngineClient] = (
+            weakref.WeakKeyDictionary())  # per caller loop (generate_async / generate_stream)
         self._lock = threading.RLock()
         atexit.register(_shutdown_weak, weakref.ref(self))
 
@@ -162,7 +149,7 @@ class EngineActor:
         engine (``version`` is SGLang's or vLLM's release, None for raygym's server; ``dtype`` the weights'
         dtype a running vLLM reports, which on CPU may differ from the checkpoint's, else None)."""
         version = {"sglang": self.sglang_version, "vllm": self.vllm_version}.get(self.backend)
-        dtype = self.call("get_model_info").get("dtype") if self.backend == "vllm" and self.alive() else None
+        dtype = self.call(Endpoint.MODEL_INFO).dtype if self.backend == "vllm" and self.alive() else None
         return {"kind": self.backend, "version": version() if version else None, "dtype": dtype,
                 "device": self._device_kind(), "tp_size": self.settings.rollout_num_gpus_per_engine}
 
@@ -266,19 +253,43 @@ class EngineActor:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
     # ----- HTTP -----
-    def generate(self, payload: dict[str, Any]) -> Any:
-        """POST /generate on this engine and return SGLang's answer (dict, or list for batches)."""
-        return self._run(self._get_client().generate(payload), self.request_timeout + 5)
+    def generate(self, request: GenerateRequest) -> GenerateResponse | list[GenerateResponse]:
+        """POST /generate on this engine: one answer, or a list for a batch."""
+        return self._run(self._get_client().generate(request), self.request_timeout + 5)
 
-    def call(self, method: str, **kwargs: Any) -> Any:
-        """Call one :class:`EngineClient` method by name, e.g. ``call("pause_generation", mode="abort")``."""
-        if method.startswith("_") or not hasattr(EngineClient, method):
-            raise AttributeError(f"EngineClient has no public method {method!r}")
-        return self._run(getattr(self._get_client(), method)(**kwargs), self.request_timeout + 5)
+    def generate_async(self, request: GenerateRequest) -> Coroutine[Any, Any, GenerateResponse | list[GenerateResponse]]:
+        """:meth:`generate` as an awaitable on the calling thread's running event loop (in-process callers only)."""
+        return self._caller_client().generate(request)
+
+    def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
+        """The updates of a streamed ``/generate`` as they come, on the calling thread's running event loop
+        (in-process callers only); see :meth:`raygym.engine_client.EngineClient.generate_stream`."""
+        return self._caller_client().generate_stream(request)
+
+    def call(self, endpoint: Endpoint, **fields: Any) -> Any:
+        """Send ``endpoint`` with a body of ``fields`` (its request model's) and return its answer model, e.g.
+        ``call(Endpoint.PAUSE_GENERATION, mode="abort")``; None for routes whose answer carries nothing."""
+        model = ROUTES[endpoint].request
+        body = None if model is None else model.model_validate(fields)
+        return self._run(self._get_client().send(endpoint, body), self.request_timeout + 5)
+
+    def flush_cache(self) -> bool:
+        """True when the engine flushed its cache; False when it refused (requests still pending)."""
+        return self._run(self._get_client().flush_cache(), self.request_timeout + 5)
 
     # ----- internals -----
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
         return self._loop.run(coro, timeout)
+
+    def _caller_client(self) -> EngineClient:
+        """The client of the running loop of the calling thread (one per loop; remade after a restart)."""
+        loop = asyncio.get_running_loop()
+        client = self._caller_clients.get(loop)
+        if client is None or client.base_url != self.url():
+            if client is not None:  # the server restarted on another port
+                loop.create_task(client.aclose())
+            client = self._caller_clients[loop] = EngineClient(self.url(), timeout=self.request_timeout)
+        return client
 
     def _get_client(self) -> EngineClient:
         if self._client is None:

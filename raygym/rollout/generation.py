@@ -478,6 +478,8 @@ class GenerationEngine:
             reason = self._stop_reason(r, tok)
             if reason is None:
                 keep.append(i)
+                if r.on_token is not None:
+                    r.on_token(r)
             else:
                 self._finish(r, reason)
         return keep

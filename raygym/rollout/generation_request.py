@@ -38,7 +38,8 @@ class EngineBusy(EngineUnavailable):
 
 @dataclass(eq=False)
 class GenerationRequest:
-    """One sequence to generate. Filled in by the engine; ``on_done`` is called from its thread.
+    """One sequence to generate. Filled in by the engine; ``on_done`` (and ``on_token``, when set) are called from
+    its thread.
 
     ``finish_reason`` follows SGLang: ``{"type": "length", "length": n}``,
     ``{"type": "stop", "matched": token_id | str}`` or ``{"type": "abort", "message": str}``.
@@ -48,6 +49,7 @@ class GenerationRequest:
     input_ids: list[int]
     params: SamplingParams
     on_done: Callable[[GenerationRequest], None] | None = None
+    on_token: Callable[[GenerationRequest], None] | None = None  # after each decode step that added a token
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)  # the weight version that produced each token

@@ -1,7 +1,7 @@
 """Engine health for the rollout manager: routed requests with retry, failure handling, restarts,
 and the periodic ``/health_generate`` monitor.
 
-:class:`EnginePool` is the manager's only door to the engines. ``request(payload)`` picks an engine
+:class:`EnginePool` is the manager's only door to the engines. ``request(generate_request)`` picks an engine
 through the :class:`~raygym.rollout.router.Router`, posts ``/generate`` and, with fault tolerance
 on, retries a request whose engine failed (connection error, timeout, 5xx) on another healthy
 engine — the caller's sample slot is filled exactly once. The failed engine is marked unhealthy
@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from raygym.engine_protocol import GenerateRequest, GenerateResponse
 from raygym.errors import RaygymError
 from raygym.rollout.router import DEAD, LOST, NoHealthyEngineError, Router
 
@@ -37,7 +38,7 @@ class EngineRequestError(RaygymError):
 
 def default_client_factory(timeout: float | None) -> ClientFactory:
     def make(url: str) -> Any:
-        from raygym.rollout.client import EngineClient
+        from raygym.engine_client import EngineClient
 
         return EngineClient(url) if timeout is None else EngineClient(url, timeout=timeout)
 
@@ -222,9 +223,9 @@ class EnginePool:
                     pass
 
     async def request(
-        self, payload: dict[str, Any], trace: dict[str, Any] | None = None, *, keep_aborted: bool = False
-    ) -> tuple[int, dict[str, Any]]:
-        """POST ``payload`` to ``/generate`` on a routed engine; returns ``(engine index, response)``.
+        self, request: GenerateRequest, trace: dict[str, Any] | None = None, *, keep_aborted: bool = False
+    ) -> tuple[int, GenerateResponse | list[GenerateResponse]]:
+        """POST ``request`` to ``/generate`` on a routed engine; returns ``(engine index, answer)``.
 
         With fault tolerance a failed engine's request is retried elsewhere; without it the failure
         raises :class:`RaygymError` naming the engine. A response that finished with ``abort`` (an
@@ -232,16 +233,16 @@ class EnginePool:
         tokens so far (partial rollouts continue it)."""
         exclude: set[int] = set()
         if self.request_fields:
-            payload = {**payload, **self.request_fields}
+            request = request.model_copy(update=self.request_fields)
         for attempt in range(1, self.max_attempts + 1):
             i = await self._acquire(exclude)
             incarnation = self.incarnation[i]
-            ids = payload.get("input_ids")
+            ids = request.input_ids
             self.routed_rows[i] += len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], list) else 1
             if trace is not None:
                 trace.update(engine=i, attempts=attempt, sent=time.time())
             try:
-                response = await self.clients[i].generate(payload)
+                response = await self.clients[i].generate(request)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -261,7 +262,7 @@ class EnginePool:
                 self.router.release(i)
             self._last_success[i] = time.monotonic()
             responses = response if isinstance(response, list) else [response]
-            aborted = any(_finish_type(r) == "abort" for r in responses)
+            aborted = any(r.finish_type == "abort" for r in responses)
             if not aborted or keep_aborted:
                 return i, response
             if not self.fault_tolerance:
@@ -410,10 +411,3 @@ def actor_gone(exc: BaseException) -> bool:
     except ImportError:  # pragma: no cover - ray is a dependency
         return False
     return isinstance(exc, ActorDiedError)
-
-
-def _finish_type(response: Any) -> str | None:
-    if not isinstance(response, dict):
-        return None
-    reason = (response.get("meta_info") or {}).get("finish_reason")
-    return reason.get("type") if isinstance(reason, dict) else reason

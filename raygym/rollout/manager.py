@@ -51,6 +51,7 @@ from raygym.data import (
     eval_dataset_urls,
     load_eval_datasets,
 )
+from raygym.engine_protocol import GenerateRequest, GenerateResponse
 from raygym.errors import RaygymError
 from raygym.rewards import (
     RewardModel,
@@ -68,7 +69,6 @@ from raygym.rollout.responses import (
     continuation_budget,
     continuation_params,
     derive_sampling_seed,
-    finish_type,
     token_versions,
     weight_version_of,
 )
@@ -293,24 +293,20 @@ class RolloutManager:
         return params
 
     async def _send(self, input_ids: list[int], sampling_params: dict[str, Any],
-                    trace: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
-        payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params), "return_logprob": True}
-        return await self.pool.request(payload, trace)
+                    trace: dict[str, Any] | None = None) -> tuple[int, GenerateResponse]:
+        request = GenerateRequest(input_ids=list(input_ids), sampling_params=dict(sampling_params), return_logprob=True)
+        engine, answer = await self.pool.request(request, trace)
+        if isinstance(answer, list):
+            raise RaygymError(f"{self.pool.engine_name(engine)} answered one prompt with {len(answer)} outputs")
+        return engine, answer
 
-    def _fill(self, sample: Sample, response: dict[str, Any], engine: int, *, extend: bool = False) -> None:
+    def _fill(self, sample: Sample, response: GenerateResponse, engine: int, *, extend: bool = False) -> None:
         """Read one ``/generate`` answer into ``sample`` (``extend``: append it, a continuation of the response
         so far)."""
-        meta = response.get("meta_info") or {}
-        logprobs = meta.get("output_token_logprobs")
-        if logprobs:  # [[logprob, token_id, text-or-null], ...]
-            tokens = [int(entry[1]) for entry in logprobs]
-            rollout_log_probs = [float(entry[0]) for entry in logprobs]
-        else:
-            tokens = [int(t) for t in response.get("output_ids") or []]
-            rollout_log_probs = []
+        meta = response.meta_info
+        tokens, rollout_log_probs = response.tokens_and_logprobs()
         versions = token_versions(meta, len(tokens), self.weight_version)
-        answer = response.get("text")
-        text: str = answer if isinstance(answer, str) else str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        text = response.text
         if extend:
             sample.response_tokens += tokens
             sample.rollout_log_probs += rollout_log_probs
@@ -320,7 +316,7 @@ class RolloutManager:
             sample.response_tokens, sample.rollout_log_probs = tokens, rollout_log_probs
             sample.token_versions, sample.response_text = versions, text
         sample.loss_mask = [1] * len(sample.response_tokens)
-        sample.finish_reason = finish_type(meta)
+        sample.finish_reason = response.finish_type
         sample.status = "truncated" if sample.finish_reason == "length" else "completed"
         sample.weight_version = min(sample.token_versions, default=weight_version_of(meta, self.weight_version))
         sample.engine = self.pool.engine_name(engine)
@@ -335,11 +331,11 @@ class RolloutManager:
             if not todo:
                 return
             self.continued += len(todo)
-            payload = {"input_ids": [list(s.prompt_tokens) + list(s.response_tokens) for s, _ in todo],
-                       "sampling_params": [continuation_params(s, p, segment) for s, p in todo],
-                       "return_logprob": True}
-            engine, answer = await self.pool.request(payload, None, keep_aborted=True)
-            responses: list[dict[str, Any]] = answer if isinstance(answer, list) else [answer]
+            request = GenerateRequest(input_ids=[list(s.prompt_tokens) + list(s.response_tokens) for s, _ in todo],
+                                      sampling_params=[continuation_params(s, p, segment) for s, p in todo],
+                                      return_logprob=True)
+            engine, answer = await self.pool.request(request, None, keep_aborted=True)
+            responses = answer if isinstance(answer, list) else [answer]
             for (sample, _), response in zip(todo, responses, strict=True):
                 self._fill(sample, response, engine, extend=True)
         for s in samples:
@@ -353,9 +349,9 @@ class RolloutManager:
         traced = min(self._trace_budget, len(samples))  # the step traces trace_sample_limit samples in all
         self._trace_budget -= traced
         trace = {"queued": time.time()} if traced else None
-        payload = {"input_ids": [list(s.prompt_tokens) for s in samples], "sampling_params": params,
-                   "return_logprob": True}
-        engine, responses = await self.pool.request(payload, trace, keep_aborted=self.continue_aborted)
+        request = GenerateRequest(input_ids=[list(s.prompt_tokens) for s in samples], sampling_params=params,
+                                  return_logprob=True)
+        engine, responses = await self.pool.request(request, trace, keep_aborted=self.continue_aborted)
         if not isinstance(responses, list) or len(responses) != len(samples):
             raise RaygymError(f"{self.pool.engine_name(engine)} answered a batch of {len(samples)} prompts with "
                               f"{len(responses) if isinstance(responses, list) else 1} outputs")
@@ -378,7 +374,7 @@ class RolloutManager:
             self._fill(sample, response, engine)
         else:
             async def generate(input_ids: list[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
-                return (await self._send(input_ids, sampling_params, trace))[1]
+                return (await self._send(input_ids, sampling_params, trace))[1].model_dump()  # SGLang's JSON
 
             result = await _maybe_await(self._custom_generate(self.cfg, sample, dict(params), generate))
             if not isinstance(result, Sample):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from raygym.engine_protocol import GenerateMetaInfo
 from raygym.types import Sample
 
 MAX_CONTINUATIONS = 8  # continuations of one aborted response before it is given up (status "aborted")
@@ -27,22 +28,18 @@ def derive_sampling_seed(seed: int, *key: Any) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def finish_type(meta: dict[str, Any]) -> str:
-    reason = meta.get("finish_reason")
-    if isinstance(reason, dict):
-        return str(reason.get("type") or "")
-    return str(reason or "")
-
-
-def token_versions(meta: dict[str, Any], count: int, default: int) -> list[int]:
+def token_versions(meta: GenerateMetaInfo, count: int, default: int) -> list[int]:
     """The policy version of each of ``count`` output tokens: raygym's server reports one per token
     (``output_token_weight_versions``); other engines one per answer (``weight_version``).
 
-    >>> token_versions({"weight_version": "3"}, 2, 0), token_versions({"output_token_weight_versions": ["3", "4"]}, 2, 0)
-    ([3, 3], [3, 4])
+    >>> meta = {"id": "r", "finish_reason": None, "prompt_tokens": 1, "completion_tokens": 2, "weight_version": "3"}
+    >>> token_versions(GenerateMetaInfo.model_validate(meta), 2, 0)
+    [3, 3]
+    >>> token_versions(GenerateMetaInfo.model_validate({**meta, "output_token_weight_versions": ["3", "4"]}), 2, 0)
+    [3, 4]
     """
-    per_token = meta.get("output_token_weight_versions")
-    if isinstance(per_token, list) and len(per_token) == count:
+    per_token = meta.output_token_weight_versions
+    if per_token is not None and len(per_token) == count:
         try:
             return [int(v) for v in per_token]
         except (TypeError, ValueError):
@@ -63,8 +60,9 @@ def continuation_params(sample: Sample, params: dict[str, Any], segment: int) ->
     return out
 
 
-def weight_version_of(meta: dict[str, Any], default: int) -> int:
+def weight_version_of(meta: GenerateMetaInfo, default: int) -> int:
+    """The answer's ``weight_version`` as a policy version (``default`` when it is not a number)."""
     try:
-        return int(meta["weight_version"])
-    except (KeyError, TypeError, ValueError):
+        return int(meta.weight_version)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
         return default

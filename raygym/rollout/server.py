@@ -29,10 +29,8 @@ import os
 import signal
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,15 +40,14 @@ from raygym.lora import ADAPTER_NAME
 from raygym.rollout import protocol
 from raygym.rollout.auth import engine_api_key
 from raygym.rollout.generation import (
-    EngineBusy,
     EngineUnavailable,
     GenerationEngine,
     GenerationRequest,
     SamplingParams,
 )
 from raygym.rollout.protocol import STATE_CHANGING, Endpoint
+from raygym.rollout.server_generate import GenerateRoute, Limits
 from raygym.rollout.server_http import (
-    BadRequest,
     guard_middleware,
     handles_errors,
     parse,
@@ -60,9 +57,9 @@ from raygym.rollout.server_http import (
 )
 from raygym.rollout.server_lora import LoraRoutes
 from raygym.rollout.server_weights import WeightRoutes
+from raygym.rollout.weight_receiver import WeightReceiver
 from raygym.weightsync.codec import checksum as tensor_checksum
 from raygym.weightsync.codec import dtype_from_name
-from raygym.rollout.weight_receiver import WeightReceiver
 from raygym.weightsync.sources import WeightSources
 
 if TYPE_CHECKING:
@@ -155,16 +152,6 @@ def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
 # --------------------------------------------------------------------------- HTTP
 
 
-@dataclass(frozen=True)
-class Limits:
-    """What one request may ask for, and what the server holds at once (server flags)."""
-
-    context_length: int  # prompt + max_new_tokens, in tokens (the model's max_position_embeddings by default)
-    max_n: int = 128  # samples per prompt
-    max_queued_requests: int = 4096  # sequences waiting to run; more -> 503
-    max_body_bytes: int = 64 << 20  # request body; more -> 413
-
-
 class InferenceServer:
     """The HTTP front of one :class:`GenerationEngine` plus weight management."""
 
@@ -197,6 +184,8 @@ class InferenceServer:
         )
         self.weights = WeightRoutes(engine, receiver, lambda: self.released)
         self.lora = LoraRoutes(engine.model, lambda: engine.exclusive(wait_idle=not engine.paused), loaded=lora_name)
+        self.generation = GenerateRoute(engine, tokenizer, self.limits, self.lora.check_request,
+                                        lambda: self.weight_version)
         engine.weight_label = lambda: receiver.weight_version  # stamps every generated token with its version
 
     @property
@@ -207,7 +196,7 @@ class InferenceServer:
         app = web.Application(client_max_size=self.limits.max_body_bytes,
                               middlewares=[guard_middleware(self.api_key, frozenset(e.value for e in STATE_CHANGING))])
         register_routes(app.router, {
-            Endpoint.GENERATE: self.generate, Endpoint.HEALTH: self.health,
+            Endpoint.GENERATE: self.generation.generate, Endpoint.HEALTH: self.health,
             Endpoint.HEALTH_GENERATE: self.health_generate, Endpoint.MODEL_INFO: self.model_info,
             Endpoint.GET_MODEL_INFO: self.model_info, Endpoint.GET_WEIGHT_VERSION: self.get_weight_version,
             Endpoint.SERVER_INFO: self.server_info, Endpoint.GET_SERVER_INFO: self.server_info, Endpoint.PING: ping,
@@ -219,151 +208,6 @@ class InferenceServer:
         self.weights.register(app.router)
         self.lora.register(app.router)
         return app
-
-    # ----- generation -----
-    @handles_errors
-    async def generate(self, request: web.Request) -> web.Response:
-        req = await parse(request, protocol.GenerateRequest)
-        if req.stream:
-            raise BadRequest("stream=true is not supported by raygym's server; send stream=false")
-        prompts, single = self._prompts(req)
-        self.lora.check_request(req.lora_path)
-        params = self._per_item(req.sampling_params, len(prompts), "sampling_params", dict, {})
-        rids = self._per_item(req.rid, len(prompts), "rid", str, None)
-        want_logprob = self._per_item(req.return_logprob, len(prompts), "return_logprob", bool, False)
-        starts = self._per_item(req.logprob_start_len, len(prompts), "logprob_start_len", int, -1)
-        parsed = [SamplingParams.from_dict(p) for p in params]
-        self._admit(prompts, parsed)
-        loop = asyncio.get_running_loop()
-        jobs: list[tuple[GenerationRequest, asyncio.Future, bool, int]] = []
-        started = time.monotonic()
-        for ids, sp, rid, lp, start in zip(prompts, parsed, rids, want_logprob, starts, strict=True):
-            rid = rid or uuid.uuid4().hex
-            for _ in range(sp.n):
-                fut = loop.create_future()
-                req_ = GenerationRequest(rid=rid, input_ids=ids, params=sp, on_done=_resolver(loop, fut))
-                jobs.append((req_, fut, lp, start))
-        requests = [job[0] for job in jobs]
-        try:
-            self.engine.submit_all(requests)
-        except EngineBusy as exc:
-            raise BadRequest(str(exc), 503) from None
-        except EngineUnavailable as exc:
-            raise BadRequest(str(exc)) from None
-        try:
-            await asyncio.gather(*(fut for _, fut, _, _ in jobs))
-        except asyncio.CancelledError:  # the client went away: free its slots within a decode step
-            self.engine.cancel(requests, "the client disconnected")
-            raise
-        latency = time.monotonic() - started
-        outputs = [await self._output(r, lp, start, req.return_text_in_logprobs, latency) for r, _, lp, start in jobs]
-        return web.json_response(outputs[0] if single and len(outputs) == 1 else outputs)
-
-    def _admit(self, prompts: list[list[int]], params: list[SamplingParams]) -> None:
-        """Refuse, before anything is queued, what cannot be served: too many samples, prompts that do not
-        fit the context with their ``max_new_tokens`` (SGLang's rule and wording)."""
-        context = self.limits.context_length
-        for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-            where = f"prompt {i}: " if len(prompts) > 1 else ""
-            if p.n > self.limits.max_n:
-                raise BadRequest(f"{where}sampling_params.n={p.n}: at most {self.limits.max_n} samples per prompt "
-                                 "(--max-n)")
-            if len(ids) >= context:
-                raise BadRequest(f"{where}The input ({len(ids)} tokens) is longer than the model's context length "
-                                 f"({context} tokens).")
-            if len(ids) + p.max_new_tokens > context:
-                raise BadRequest(
-                    f"{where}Requested token count exceeds the model's maximum context length of {context} tokens. "
-                    f"You requested a total of {len(ids) + p.max_new_tokens} tokens: {len(ids)} tokens from the "
-                    f"input messages and {p.max_new_tokens} tokens for the completion (sampling_params.max_new_tokens)."
-                )
-        total = sum(p.n for p in params)
-        if total > self.limits.max_queued_requests:
-            raise BadRequest(f"{total} samples in one request: more than the queue holds "
-                             f"(--max-queued-requests {self.limits.max_queued_requests})")
-
-    def _prompts(self, req: protocol.GenerateRequest) -> tuple[list[list[int]], bool]:
-        if (req.input_ids is None) == (req.text is None):
-            raise BadRequest("send exactly one of 'input_ids' (token ids) or 'text'")
-        if req.text is not None:
-            if self.tokenizer is None:
-                raise BadRequest("this model has no tokenizer; send 'input_ids' instead of 'text'")
-            texts = [req.text] if isinstance(req.text, str) else req.text
-            if not texts or any(t == "" for t in texts):
-                raise BadRequest("'text' must be a non-empty string or a non-empty list of non-empty strings")
-            encoded = [self.tokenizer.encode(t) for t in texts]
-            if any(not ids for ids in encoded):
-                raise BadRequest("'text' encodes to no tokens; send text the tokenizer turns into at least one token")
-            return encoded, isinstance(req.text, str)
-        ids: Any = req.input_ids
-        if isinstance(ids, list) and not ids:
-            raise BadRequest("'input_ids' must be a non-empty list of ints or a list of such lists")
-        single = not isinstance(ids[0], list)
-        batch = [ids] if single else ids
-        vocab = self.engine.model.config.vocab_size
-        for row in batch:
-            if not row:
-                raise BadRequest("'input_ids' must be a non-empty list of ints or a list of such lists")
-            if not all(0 <= t < vocab for t in row):
-                raise BadRequest(f"'input_ids' must hold ints in [0, {vocab}) (the model's vocab_size)")
-        return batch, single
-
-    @staticmethod
-    def _per_item(value: Any, count: int, name: str, kind: type, default: Any) -> list[Any]:
-        if value is None:
-            return [default] * count
-        if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
-            return [value] * count
-        if isinstance(value, list) and len(value) == count and all(isinstance(v, kind) for v in value):
-            return list(value)
-        raise BadRequest(f"{name}: must be one {kind.__name__} or a list of {count} of them (one per prompt)")
-
-    async def _output(self, req: GenerationRequest, logprob: bool, start: int, with_text: bool,
-                      latency: float) -> dict[str, Any]:
-        reason = req.finish_reason or {"type": "abort", "message": "unfinished"}
-        meta: dict[str, Any] = {
-            "id": req.rid,
-            "finish_reason": reason,
-            "prompt_tokens": len(req.input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": 0,
-            "weight_version": self.weight_version,
-            # raygym's extension: the weight version of each output token (a weight update landing mid-request
-            # splits it; the request continued on the new weights).
-            "output_token_weight_versions": list(req.output_versions),
-            "e2e_latency": latency,
-        }
-        if logprob:
-            meta["output_token_logprobs"] = [
-                [lp, tok, self._decode([tok], False) if with_text else None]
-                for lp, tok in zip(req.output_logprobs, req.output_ids, strict=True)
-            ]
-            meta["input_token_logprobs"] = await self._input_logprobs(req.input_ids, start, with_text)
-        return {"text": self._text(req), "output_ids": list(req.output_ids), "meta_info": meta}
-
-    async def _input_logprobs(self, ids: list[int], start: int, with_text: bool) -> list[list[Any]]:
-        """SGLang's ``input_token_logprobs`` from ``logprob_start_len`` on (the first token has none)."""
-        if start < 0:
-            return []
-        scores = [None, *(await asyncio.to_thread(self.engine.score, ids))]
-        return [[scores[i], ids[i], self._decode([ids[i]], False) if with_text else None]
-                for i in range(min(start, len(ids)), len(ids))]
-
-    def _decode(self, ids: list[int], skip_special: bool) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
-
-    def _text(self, req: GenerationRequest) -> str:
-        p, reason = req.params, req.finish_reason or {}
-        ids = req.output_ids
-        if reason.get("type") == "stop" and isinstance(reason.get("matched"), int) and not p.no_stop_trim:
-            ids = ids[:-1]
-        text = self._decode(ids, p.skip_special_tokens)
-        matched = reason.get("matched")
-        if isinstance(matched, str) and not p.no_stop_trim and matched in text:
-            text = text[: text.index(matched)]
-        return text
 
     # ----- health and info -----
     async def health(self, request: web.Request) -> web.Response:

@@ -1,8 +1,11 @@
 """``raygym serve``: an OpenAI-compatible endpoint as a Ray Serve application.
 
 Each Serve replica owns one inference engine (:class:`raygym.rollout.engine.EngineActor`: raygym's own
-server on CPU, SGLang on GPU, chosen like a run's ``rollout_engine``) on the GPUs Ray gives the replica,
-and answers the OpenAI routes of :mod:`raygym.serve.http` in front of it. Scaling is Ray Serve's:
+server on CPU, SGLang on GPU, chosen like a run's ``rollout_engine``, or vLLM behind raygym's adapter with
+``engine="vllm"``, run by ``engine_python``) on the GPUs Ray gives the replica, and answers the OpenAI
+routes of :mod:`raygym.serve.http` in front of it, on the replica's own event loop: requests and streams
+go to the engine without a thread hop (:meth:`~raygym.rollout.engine.EngineActor.generate_async`,
+:meth:`~raygym.rollout.engine.EngineActor.generate_stream`). Scaling is Ray Serve's:
 a fixed ``num_replicas`` or an autoscaling range (``min_replicas`` .. ``max_replicas`` driven by
 ``target_ongoing_requests``); placement: each replica's CPUs and GPUs are reserved together in one
 placement-group bundle (``STRICT_PACK``: an engine's GPUs are on the replica's node), and
@@ -20,18 +23,19 @@ import os
 import signal
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from raygym.config import Recipe
+from raygym.engine_protocol import GenerateRequest, GenerateResponse
 from raygym.errors import ConfigError
 
 API_KEY_ENV = "RAYGYM_SERVE_API_KEY"
 APP_NAME = "raygym-openai"
-ENGINES = ("auto", "raygym", "sglang")
+ENGINES = ("auto", "raygym", "sglang", "vllm")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
@@ -41,7 +45,7 @@ class ServeSettings:
 
     model_dir: str  # local HF directory every replica loads (shared storage on a multi-node cluster)
     model_name: str  # the id clients send as `model`
-    engine: str = "auto"  # auto | raygym | sglang
+    engine: str = "auto"  # auto | raygym | sglang | vllm
     num_replicas: int = 1  # used when max_replicas is None
     min_replicas: int | None = None  # autoscaling range (set max_replicas to autoscale)
     max_replicas: int | None = None
@@ -186,11 +190,55 @@ def adapter_serving(kind: str, settings: ServeSettings) -> tuple[list[str], dict
     return engine_lora_args(kind, spec, targets, settings.adapter_dir), {"lora_path": ADAPTER_NAME}
 
 
+class ReplicaEngine:
+    """The front's engine (:class:`raygym.serve.front.Engine`): the replica's EngineActor on the replica's event
+    loop, every request carrying ``fields`` (a LoRA adapter's ``lora_path``)."""
+
+    def __init__(self, engine: Any, fields: dict[str, Any]) -> None:
+        self.engine, self.fields = engine, fields
+
+    def generate(self, request: GenerateRequest) -> Awaitable[GenerateResponse | list[GenerateResponse]]:
+        return self.engine.generate_async(request.model_copy(update=self.fields) if self.fields else request)
+
+    def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
+        return self.engine.generate_stream(request.model_copy(update=self.fields) if self.fields else request)
+
+
+def preflight_engine_here(settings: ServeSettings) -> str:
+    """The engine kind a replica will run, checked before Ray starts: SGLang or vLLM importable by the engine
+    interpreter, and on a machine without CUDA a model vLLM's CPU attention can run (its head size). Returns
+    the kind; ConfigError names the fix."""
+    import torch
+
+    from raygym.engine_kinds import choose_rollout_engine
+    from raygym.engine_python import check_engine_python
+    from raygym.rollout.vllm_args import check_cpu_head_dim
+
+    kind = choose_rollout_engine(settings.engine)
+    if kind in ("sglang", "vllm"):
+        check_engine_python(kind, settings.engine_settings.get("rollout_engine_python"))
+    if kind == "vllm" and not torch.cuda.is_available():
+        config = _model_config(settings.model_dir)
+        check_cpu_head_dim(config.get("head_dim") or _derived_head_dim(config), settings.model_dir)
+    return kind
+
+
+def _model_config(model_dir: str) -> dict[str, Any]:
+    try:
+        return dict(json.loads((Path(model_dir) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _derived_head_dim(config: dict[str, Any]) -> int | None:
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
 class OpenAIReplica:
     """One Serve replica: starts its engine, then serves the OpenAI routes in front of it."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
-        import asyncio
         import tempfile
 
         import ray
@@ -213,13 +261,13 @@ class OpenAIReplica:
                                   extra_server_args=server_args)
         self.engine.start()
         tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
+        context = _context_len(settings.model_dir)
+        if kind == "vllm":  # vLLM holds KV cache for the run's longest request, not the model's whole context
+            from raygym.rollout.vllm_args import max_model_len
 
-        async def generate(payload: dict[str, Any]) -> Any:
-            return await asyncio.to_thread(self.engine.generate, {**payload, **fields})
-
-        self.front = OpenAIFront(tokenizer, generate, settings.model_name,
-                                 context_len=_context_len(settings.model_dir),
-                                 default_max_tokens=settings.default_max_tokens)
+            context = min(context or max_model_len(recipe), max_model_len(recipe))
+        self.front = OpenAIFront(tokenizer, ReplicaEngine(self.engine, fields), settings.model_name,
+                                 context_len=context, default_max_tokens=settings.default_max_tokens)
 
     def __serve_build_asgi_app__(self) -> Any:
         from raygym.serve.http import build_http_app
@@ -286,6 +334,7 @@ def run_server(settings: ServeSettings, api_key: str, *, host: str = "127.0.0.1"
     settings.check()
     if not route_prefix.startswith("/"):
         raise ConfigError(f"route_prefix={route_prefix!r}: must start with '/'")
+    preflight_engine_here(settings)  # the engine can run the model here, before Ray starts
     owns_ray = connect_ray(0)
     if detach and owns_ray:
         ray.shutdown()
@@ -322,5 +371,5 @@ def run_server(settings: ServeSettings, api_key: str, *, host: str = "127.0.0.1"
                     ray.shutdown()
 
 
-__all__ = ["API_KEY_ENV", "Endpoint", "OpenAIReplica", "ReplicaSpec", "ServeSettings", "build_application",
-           "deployment_options", "read_api_key", "run_server"]
+__all__ = ["API_KEY_ENV", "Endpoint", "OpenAIReplica", "ReplicaEngine", "ReplicaSpec", "ServeSettings",
+           "build_application", "deployment_options", "preflight_engine_here", "read_api_key", "run_server"]

@@ -1,15 +1,16 @@
-"""The OpenAI-compatible front of one engine: requests -> engine ``/generate`` payloads -> OpenAI answers.
+"""The OpenAI-compatible front of one engine: requests -> engine ``/generate`` requests -> OpenAI answers.
 
-No Ray and no HTTP here: :class:`OpenAIFront` gets the tokenizer and an async ``generate(payload)`` that
-posts SGLang's ``/generate`` (input_ids, one ``sampling_params`` per row, ``return_logprob``) through
-:class:`raygym.rollout.engine.EngineActor`. It applies the chat template, checks the context length,
-expands ``n`` into rows (choice ``i`` of prompt ``p`` is row ``p * n + i``, OpenAI's order), gives each
-row its own ``sampling_seed`` when the request has a ``seed``, and builds the answers.
+No Ray and no HTTP here: :class:`OpenAIFront` gets the tokenizer and an :class:`Engine` that posts SGLang's
+``/generate`` (:class:`~raygym.engine_protocol.GenerateRequest`: input_ids, one ``sampling_params`` per
+row, ``return_logprob``) through :class:`raygym.rollout.engine.EngineActor`. It applies the chat template,
+checks the context length, expands ``n`` into rows (choice ``i`` of prompt ``p`` is row ``p * n + i``,
+OpenAI's order), gives each row its own ``sampling_seed`` when the request has a ``seed``, and builds the
+answers.
 
-Streaming: the engines raygym drives answer ``/generate`` with whole generations, so a ``stream=true``
-request is answered in OpenAI's server-sent-event format once the generation is done: per choice the
-text as one chunk, then the finish chunk, the usage chunk when ``stream_options.include_usage``, and
-``data: [DONE]``. Errors are found before the stream starts, so they keep their HTTP status.
+Streaming (``stream=true``): the engine streams the generation (``/generate`` with ``stream: true``) and
+:class:`OpenAIStream` turns each update into OpenAI chunks as it arrives, so the first tokens
+reach the client while the rest are generated. The first update is awaited before the answer starts, so
+request errors (the engine's too) keep their HTTP status.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
+from raygym.engine_protocol import GenerateRequest, GenerateResponse
 from raygym.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -66,14 +68,22 @@ def row_seed(seed: int, prompt_index: int, choice_index: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def finish_reason(meta: dict[str, Any]) -> str:
-    """OpenAI's finish reason from SGLang's ``meta_info.finish_reason`` (``{"type": ...}`` or a string)."""
-    reason = meta.get("finish_reason")
-    kind = reason.get("type") if isinstance(reason, dict) else reason
-    if kind == "abort":
-        raise OpenAIError(503, "the engine aborted the request (it is pausing or updating weights); retry",
-                          type="server_error", code="engine_aborted")
-    return "length" if kind == "length" else "stop"
+ENGINE_ABORTED = "the engine aborted the request (it is pausing or updating weights); retry"
+
+
+def finish_reason(answer: GenerateResponse) -> str:
+    """OpenAI's finish reason of a finished engine answer (an aborted one is a 503 to retry)."""
+    if answer.finish_type == "abort":
+        raise OpenAIError(503, ENGINE_ABORTED, type="server_error", code="engine_aborted")
+    return "length" if answer.finish_type == "length" else "stop"
+
+
+class Engine(Protocol):
+    """What the front needs of an engine: ``/generate``, whole and streamed."""
+
+    def generate(self, request: GenerateRequest) -> Awaitable[GenerateResponse | list[GenerateResponse]]: ...
+
+    def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]: ...
 
 
 @dataclass
@@ -108,17 +118,17 @@ class OpenAIFront:
 
     Args:
         tokenizer: the model's HF tokenizer (encodes prompts, applies the chat template, names tokens).
-        generate: ``async generate(payload) -> list[dict]`` (SGLang's answer to a batched ``/generate``).
+        engine: the engine's ``/generate``, whole (``generate``) and streamed (``generate_stream``).
         model_name: the id clients send as ``model`` (``/v1/models`` lists it).
         context_len: prompt + generated tokens the model takes (None = not checked).
         default_max_tokens: chat completions without ``max_tokens`` generate at most this many (and never
             past the context).
     """
 
-    def __init__(self, tokenizer: Any, generate: Callable[[dict[str, Any]], Awaitable[Any]], model_name: str,
+    def __init__(self, tokenizer: Any, engine: Engine, model_name: str,
                  *, context_len: int | None = None, default_max_tokens: int = 256) -> None:
         self.tokenizer = tokenizer
-        self._generate = generate
+        self.engine = engine
         self.model_name = model_name
         self.context_len = context_len
         self.default_max_tokens = default_max_tokens
@@ -188,44 +198,50 @@ class OpenAIFront:
             params["sampling_seed"] = seed
         return params
 
-    async def _run(self, request: CompletionRequest | ChatCompletionRequest, prompts: Sequence[list[int]],
-                   limit: int | None, default: int | None, prefix: str) -> Generation:
+    def engine_request(self, request: CompletionRequest | ChatCompletionRequest, prompts: Sequence[list[int]],
+                       limit: int | None, default: int | None) -> GenerateRequest:
+        """The batched ``/generate`` request of ``request``'s rows (prompt-major, ``n`` rows per prompt)."""
         self.check_model(request.model)
-        n = request.choices
         input_ids: list[list[int]] = []
         params: list[dict[str, Any]] = []
         for p, ids in enumerate(prompts):
             max_new = self._max_tokens(limit, len(ids), default)
-            for c in range(n):
+            for c in range(request.choices):
                 seed = row_seed(request.seed, p, c) if request.seed is not None else None
                 input_ids.append(list(ids))
                 params.append(self.sampling_params(request, max_new, seed))
-        answer = await self._generate({"input_ids": input_ids, "sampling_params": params, "return_logprob": True})
-        answers = answer if isinstance(answer, list) else [answer]
-        if len(answers) != len(input_ids):
-            raise OpenAIError(500, f"the engine answered {len(input_ids)} rows with {len(answers)} outputs",
-                              type="server_error")
-        rows = [self._row(a) for a in answers]
-        return Generation(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), n, [len(ids) for ids in prompts], rows)
+        return GenerateRequest(input_ids=input_ids, sampling_params=params, return_logprob=True)
 
-    def _row(self, answer: dict[str, Any]) -> RowOutput:
-        meta = answer.get("meta_info") or {}
-        entries = meta.get("output_token_logprobs") or []
-        if entries:  # [[logprob, token_id, text-or-null], ...]
-            ids, logprobs = [int(e[1]) for e in entries], [float(e[0]) for e in entries]
-        else:
-            ids, logprobs = [int(t) for t in answer.get("output_ids") or []], []
-        text = answer.get("text")
-        if not isinstance(text, str):
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return RowOutput(text, ids, logprobs, finish_reason(meta))
+    async def _run(self, request: CompletionRequest | ChatCompletionRequest, prompts: Sequence[list[int]],
+                   limit: int | None, default: int | None, prefix: str) -> Generation:
+        engine_request = self.engine_request(request, prompts, limit, default)
+        answer = await self.engine.generate(engine_request)
+        answers = answer if isinstance(answer, list) else [answer]
+        if len(answers) != len(engine_request.input_ids or []):
+            raise OpenAIError(500, f"the engine answered {len(engine_request.input_ids or [])} rows with "
+                              f"{len(answers)} outputs", type="server_error")
+        rows = [self._row(a) for a in answers]
+        return Generation(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), request.choices,
+                          [len(ids) for ids in prompts], rows)
+
+    def _row(self, answer: GenerateResponse) -> RowOutput:
+        ids, logprobs = answer.tokens_and_logprobs()
+        return RowOutput(answer.text, ids, logprobs, finish_reason(answer))
+
+    def completion_prompts(self, request: CompletionRequest) -> list[list[int]]:
+        return [self.encode(p) for p in request.prompts()]
+
+    def echo_texts(self, request: CompletionRequest) -> list[str]:
+        """Each prompt's text as ``echo`` repeats it (empty without ``echo``)."""
+        if not request.echo:
+            return []
+        return [p if isinstance(p, str) else self.tokenizer.decode(p) for p in request.prompts()]
 
     async def complete(self, request: CompletionRequest) -> Generation:
         """Run a completions request on the engine."""
-        prompts = [self.encode(p) for p in request.prompts()]
-        generation = await self._run(request, prompts, request.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "cmpl")
-        if request.echo:
-            generation.prompts_text = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in request.prompts()]
+        generation = await self._run(request, self.completion_prompts(request), request.max_tokens,
+                                     COMPLETION_DEFAULT_MAX_TOKENS, "cmpl")
+        generation.prompts_text = self.echo_texts(request)
         return generation
 
     async def chat(self, request: ChatCompletionRequest) -> Generation:
@@ -233,72 +249,189 @@ class OpenAIFront:
         prompt = self.encode(self.chat_prompt(request))
         return await self._run(request, [prompt], request.token_limit(), None, "chatcmpl")
 
+    async def stream_completion(self, request: CompletionRequest) -> AsyncIterator[str]:
+        """The SSE frames of a streamed completion, once the engine sent its first update (errors before that
+        raise, keeping their HTTP status)."""
+        prompts = self.completion_prompts(request)
+        engine_request = self.engine_request(request, prompts, request.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS)
+        stream = OpenAIStream(self, request, "cmpl", [len(ids) for ids in prompts], chat=False,
+                              echo=self.echo_texts(request))
+        return await stream.start(self.engine.generate_stream(engine_request))
+
+    async def stream_chat(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
+        """The SSE frames of a streamed chat completion (see :meth:`stream_completion`)."""
+        prompt = self.encode(self.chat_prompt(request))
+        engine_request = self.engine_request(request, [prompt], request.token_limit(), None)
+        stream = OpenAIStream(self, request, "chatcmpl", [len(prompt)], chat=True)
+        return await stream.start(self.engine.generate_stream(engine_request))
+
     # ── answers ─────────────────────────────────────────────────────────────────────────────────
-    def _token_texts(self, ids: list[int]) -> list[str]:
+    def token_texts(self, ids: list[int]) -> list[str]:
         """Each token's text as it appears in the answer (special tokens are not part of the text)."""
         return [self.tokenizer.decode([t], skip_special_tokens=True) for t in ids]
 
-    def _completion_logprobs(self, row: RowOutput, offset: int) -> CompletionLogprobs:
-        tokens = self._token_texts(row.token_ids)
+    def completion_logprobs(self, ids: list[int], logprobs: list[float], offset: int) -> CompletionLogprobs:
+        """OpenAI's completion log-probs of tokens ``ids``, their text starting at ``offset`` of the choice."""
+        tokens = self.token_texts(ids)
         offsets, at = [], offset
         for token in tokens:
             offsets.append(at)
             at += len(token)
-        return CompletionLogprobs(tokens=tokens, token_logprobs=row.logprobs, text_offset=offsets)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, text_offset=offsets)
 
     def completion_body(self, request: CompletionRequest, g: Generation) -> Completion:
         choices = []
         for i, row in enumerate(g.rows):
             echo = g.prompts_text[i // g.choices_per_prompt] if g.prompts_text else ""
-            logprobs = self._completion_logprobs(row, len(echo)) if request.logprobs is not None else None
+            logprobs = (self.completion_logprobs(row.token_ids, row.logprobs, len(echo))
+                        if request.logprobs is not None else None)
             choices.append(CompletionChoice(index=i, text=echo + row.text, logprobs=logprobs,
                                             finish_reason=row.finish_reason))  # type: ignore[arg-type]
         return Completion(id=g.id, created=g.created, model=self.model_name, choices=choices, usage=g.usage())
 
-    def _chat_logprobs(self, row: RowOutput) -> ChoiceLogprobs:
-        tokens = self._token_texts(row.token_ids)
+    def chat_logprobs(self, ids: list[int], logprobs: list[float]) -> ChoiceLogprobs:
+        """OpenAI's chat log-probs of tokens ``ids``."""
+        tokens = self.token_texts(ids)
         return ChoiceLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-                                       for t, lp in zip(tokens, row.logprobs, strict=False)])
+                                       for t, lp in zip(tokens, logprobs, strict=False)])
 
     def chat_body(self, request: ChatCompletionRequest, g: Generation) -> ChatCompletion:
         choices = [ChatChoice(index=i, message=AssistantMessage(content=row.text),
-                              logprobs=self._chat_logprobs(row) if request.logprobs else None,
+                              logprobs=self.chat_logprobs(row.token_ids, row.logprobs) if request.logprobs else None,
                               finish_reason=row.finish_reason)  # type: ignore[arg-type]
                    for i, row in enumerate(g.rows)]
         return ChatCompletion(id=g.id, created=g.created, model=self.model_name, choices=choices, usage=g.usage())
 
-    # ── server-sent events ──────────────────────────────────────────────────────────────────────
-    @staticmethod
-    def sse(payload: Any) -> str:
-        body = payload if isinstance(payload, str) else json.dumps(payload.model_dump(exclude_none=False))
-        return f"data: {body}\n\n"
 
-    async def completion_events(self, request: CompletionRequest, g: Generation) -> AsyncIterator[str]:
-        """The SSE frames of a streamed completion."""
-        body = self.completion_body(request, g)
-        for choice in body.choices:
-            text = choice.model_copy(update={"finish_reason": None})
-            yield self.sse(Completion(id=g.id, created=g.created, model=self.model_name, choices=[text]))
-            end = CompletionChoice(index=choice.index, text="", finish_reason=choice.finish_reason)
-            yield self.sse(Completion(id=g.id, created=g.created, model=self.model_name, choices=[end]))
-        if request.include_usage():
-            yield self.sse(Completion(id=g.id, created=g.created, model=self.model_name, choices=[], usage=g.usage()))
-        yield self.sse("[DONE]")
-
-    async def chat_events(self, request: ChatCompletionRequest, g: Generation) -> AsyncIterator[str]:
-        """The SSE frames of a streamed chat completion."""
-        def chunk(choices: list[ChunkChoice], usage: Usage | None = None) -> str:
-            return self.sse(ChatCompletionChunk(id=g.id, created=g.created, model=self.model_name, choices=choices,
-                                                usage=usage))
-
-        for i, row in enumerate(g.rows):
-            yield chunk([ChunkChoice(index=i, delta=Delta(role="assistant", content=""))])
-            logprobs = self._chat_logprobs(row) if request.logprobs else None
-            yield chunk([ChunkChoice(index=i, delta=Delta(content=row.text), logprobs=logprobs)])
-            yield chunk([ChunkChoice(index=i, delta=Delta(), finish_reason=row.finish_reason)])  # type: ignore[arg-type]
-        if request.include_usage():
-            yield chunk([], g.usage())
-        yield self.sse("[DONE]")
+def sse(payload: Any) -> str:
+    """One server-sent event: a model as JSON, or a literal (``[DONE]``)."""
+    body = payload if isinstance(payload, str) else json.dumps(payload.model_dump(exclude_none=False))
+    return f"data: {body}\n\n"
 
 
-__all__ = ["Generation", "OpenAIError", "OpenAIFront", "finish_reason", "row_seed"]
+def engine_error(exc: Exception) -> OpenAIError:
+    """An engine failure as OpenAI's error: the engine's 4xx refusals are the client's (400), the rest 5xx."""
+    from raygym.engine_client import EngineConnectionError, EngineHTTPError
+
+    if isinstance(exc, EngineHTTPError) and 400 <= exc.status < 500:
+        return OpenAIError(400, f"the engine refused the request: {exc.message()}")
+    if isinstance(exc, EngineConnectionError):
+        return OpenAIError(503, "the engine is unavailable; retry shortly", type="server_error",
+                           code="engine_unavailable")
+    return OpenAIError(500, "the engine failed to generate", type="server_error")
+
+
+@dataclass
+class _RowStream:
+    """What one row (choice) of a stream has sent so far."""
+
+    text: str = ""
+    tokens: int = 0
+    started: bool = False
+    completion_tokens: int = 0
+    finished: bool = False
+
+
+class OpenAIStream:
+    """OpenAI's server-sent events of one streamed request, from the engine's stream of updates (each a whole
+    answer so far for row ``index``): per row the role chunk (chat) or the echoed prompt (completions), then
+    the new text of each update as it arrives, the finish chunk; the usage chunk when
+    ``stream_options.include_usage``; ``data: [DONE]``. A failure after the answer started is an ``error`` event
+    (OpenAI's form) before the end."""
+
+    def __init__(self, front: OpenAIFront, request: CompletionRequest | ChatCompletionRequest, prefix: str,
+                 prompt_lengths: list[int], *, chat: bool, echo: Sequence[str] = ()) -> None:
+        self.front, self.request, self.chat = front, request, chat
+        self.id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        self.prompt_lengths, self.echo = prompt_lengths, list(echo)
+        self.rows = [_RowStream() for _ in range(len(prompt_lengths) * request.choices)]
+
+    async def start(self, updates: AsyncIterator[GenerateResponse]) -> AsyncIterator[str]:
+        """Wait for the engine's first update (its errors raise here), then the frames."""
+        it = updates.__aiter__()
+        try:
+            first = await it.__anext__()
+        except StopAsyncIteration:
+            raise OpenAIError(500, "the engine ended the stream without an answer", type="server_error") from None
+        except OpenAIError:
+            raise
+        except Exception as exc:
+            raise engine_error(exc) from exc
+        if first.finish_type == "abort":
+            raise OpenAIError(503, ENGINE_ABORTED, type="server_error", code="engine_aborted")
+        return self._frames(first, it)
+
+    async def _frames(self, first: GenerateResponse, it: AsyncIterator[GenerateResponse]) -> AsyncIterator[str]:
+        try:
+            update: GenerateResponse | None = first
+            while update is not None:
+                for frame in self._on_update(update):
+                    yield frame
+                update = await anext(it, None)
+            if not all(row.finished for row in self.rows):
+                raise OpenAIError(500, "the engine ended the stream before every choice finished", type="server_error")
+        except Exception as exc:  # the answer has started: the status is sent, the error goes in the stream
+            error = exc if isinstance(exc, OpenAIError) else engine_error(exc)
+            yield f"data: {json.dumps(error.body())}\n\n"
+        else:
+            if self.request.include_usage():
+                yield self._frame([], self._usage())
+        finally:
+            closing = getattr(it, "aclose", None)
+            if closing is not None:  # a client that left: end the engine's stream, which aborts its rows
+                await closing()
+        yield sse("[DONE]")
+
+    def _on_update(self, update: GenerateResponse) -> list[str]:
+        index = update.index or 0
+        if not 0 <= index < len(self.rows):
+            raise OpenAIError(500, f"the engine streamed row {index} of {len(self.rows)}", type="server_error")
+        row, frames = self.rows[index], []
+        if update.finish_type == "abort":
+            raise OpenAIError(503, ENGINE_ABORTED, type="server_error", code="engine_aborted")
+        echo = ""
+        if not row.started:
+            row.started = True
+            if self.chat:
+                frames.append(self._frame([ChunkChoice(index=index, delta=Delta(role="assistant", content=""))]))
+            elif self.echo:
+                echo = self.echo[index // self.request.choices]
+        finished = update.finish_type != ""
+        delta = update.text[len(row.text):] if update.text.startswith(row.text) else ""
+        if delta or echo or (finished and update.output_ids[row.tokens:]):
+            frames.append(self._text_frame(index, row, update, echo + delta))
+            row.text += delta
+        if finished:
+            row.finished, row.completion_tokens = True, update.meta_info.completion_tokens
+            reason = finish_reason(update)
+            if self.chat:
+                frames.append(self._frame([ChunkChoice(index=index, delta=Delta(), finish_reason=reason)]))  # type: ignore[arg-type]
+            else:
+                frames.append(self._frame([CompletionChoice(index=index, text="", finish_reason=reason)]))  # type: ignore[arg-type]
+        return frames
+
+    def _text_frame(self, index: int, row: _RowStream, update: GenerateResponse, text: str) -> str:
+        ids, logprobs = update.tokens_and_logprobs()
+        new_ids, new_logprobs = ids[row.tokens:], logprobs[row.tokens:]
+        row.tokens = len(ids)
+        if self.chat:
+            chat_lp = self.front.chat_logprobs(new_ids, new_logprobs) if self.request.logprobs else None
+            return self._frame([ChunkChoice(index=index, delta=Delta(content=text), logprobs=chat_lp)])
+        echo = len(self.echo[index // self.request.choices]) if self.echo else 0
+        lp = (self.front.completion_logprobs(new_ids, new_logprobs, echo + len(row.text))
+              if self.request.logprobs is not None else None)
+        return self._frame([CompletionChoice(index=index, text=text, logprobs=lp, finish_reason=None)])
+
+    def _usage(self) -> Usage:
+        prompt, completion = sum(self.prompt_lengths), sum(row.completion_tokens for row in self.rows)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def _frame(self, choices: list[Any], usage: Usage | None = None) -> str:
+        model = self.front.model_name
+        if self.chat:
+            return sse(ChatCompletionChunk(id=self.id, created=self.created, model=model, choices=choices, usage=usage))
+        return sse(Completion(id=self.id, created=self.created, model=model, choices=choices, usage=usage))
+
+
+__all__ = ["Engine", "Generation", "OpenAIError", "OpenAIFront", "OpenAIStream", "engine_error", "finish_reason",
+           "row_seed", "sse"]

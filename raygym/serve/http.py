@@ -18,7 +18,7 @@ from typing import Any
 
 import pydantic
 
-from raygym.serve.front import OpenAIError, OpenAIFront
+from raygym.serve.front import OpenAIError, OpenAIFront, engine_error
 from raygym.serve.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedParameter
 
 log = logging.getLogger(__name__)
@@ -63,36 +63,6 @@ def validation_error(exc: pydantic.ValidationError) -> OpenAIError:
     if first.get("type") == "missing":
         return OpenAIError(400, f"you must provide a {where} parameter", param=where or None)
     return OpenAIError(400, f"{where}: {message}" if where else message, param=where or None)
-
-
-def _engine_message(body: str) -> str:
-    """The message of an engine's JSON error body (SGLang and raygym's server: ``{"error": {"message"}}``).
-
-    >>> _engine_message('{"error": {"message": "bad top_k"}}'), _engine_message("plain text")
-    ('bad top_k', 'plain text')
-    """
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return body[:500]
-    if isinstance(parsed, dict):
-        error = parsed.get("error", parsed)
-        message = error.get("message") if isinstance(error, dict) else error
-        if isinstance(message, str):
-            return message[:500]
-    return body[:500]
-
-
-def engine_error(exc: Exception) -> OpenAIError:
-    """An engine failure as OpenAI's error: the engine's 4xx refusals are the client's (400), the rest 5xx."""
-    from raygym.rollout.client import EngineConnectionError, EngineHTTPError
-
-    if isinstance(exc, EngineHTTPError) and 400 <= exc.status < 500:
-        return OpenAIError(400, f"the engine refused the request: {_engine_message(exc.body)}")
-    if isinstance(exc, EngineConnectionError):
-        return OpenAIError(503, "the engine is unavailable; retry shortly", type="server_error",
-                           code="engine_unavailable")
-    return OpenAIError(500, "the engine failed to generate", type="server_error")
 
 
 def build_http_app(front: OpenAIFront, api_key_digest: str) -> Any:
@@ -170,17 +140,17 @@ def build_http_app(front: OpenAIFront, api_key_digest: str) -> Any:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         req = await parse(request, CompletionRequest)
-        generation = await run(front.complete(req))
         if req.stream:
-            return StreamingResponse(front.completion_events(req, generation), media_type="text/event-stream")
+            return StreamingResponse(await run(front.stream_completion(req)), media_type="text/event-stream")
+        generation = await run(front.complete(req))
         return JSONResponse(front.completion_body(req, generation).model_dump())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         req = await parse(request, ChatCompletionRequest)
-        generation = await run(front.chat(req))
         if req.stream:
-            return StreamingResponse(front.chat_events(req, generation), media_type="text/event-stream")
+            return StreamingResponse(await run(front.stream_chat(req)), media_type="text/event-stream")
+        generation = await run(front.chat(req))
         return JSONResponse(front.chat_body(req, generation).model_dump())
 
     return app

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from raygym.engine_kinds import capabilities
+from raygym.engine_protocol import Endpoint, LoadLoRAAdapter, UnloadLoRAAdapter, UpdateWeightVersion
 from raygym.errors import ConfigError, WeightSyncError
 from raygym.lora import ADAPTER_NAME, write_adapter
 from raygym.weightsync.codec import dtype_from_name
@@ -95,12 +96,14 @@ class AdapterTransport:
         for link in self.engines:
             if not self.replace:
                 try:
-                    checked(link, "unload_lora_adapter", {"lora_name": ADAPTER_NAME}, self.timeout_s)
+                    checked(link, Endpoint.UNLOAD_LORA_ADAPTER, UnloadLoRAAdapter(lora_name=ADAPTER_NAME),
+                            self.timeout_s)
                 except WeightSyncError:
                     pass  # not loaded yet (the first version, or a restarted engine)
-            checked(link, "load_lora_adapter", {"lora_name": ADAPTER_NAME, "lora_path": path}, self.timeout_s)
-            checked(link, "update_weight_version", {"new_version": str(version), "abort_all_requests": False},
+            checked(link, Endpoint.LOAD_LORA_ADAPTER, LoadLoRAAdapter(lora_name=ADAPTER_NAME, lora_path=path),
                     self.timeout_s)
+            checked(link, Endpoint.UPDATE_WEIGHT_VERSION,
+                    UpdateWeightVersion(new_version=str(version), abort_all_requests=False), self.timeout_s)
         if self._served is not None and self._served != path:
             shutil.rmtree(self._served, ignore_errors=True)
         self._served = path

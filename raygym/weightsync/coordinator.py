@@ -46,6 +46,19 @@ from typing import Any
 
 from raygym.config import Recipe
 from raygym.engine_kinds import capabilities
+from raygym.engine_protocol import (
+    AbortRequest,
+    BeginWeightUpdate,
+    ContinueGeneration,
+    Endpoint,
+    ModelInfo,
+    NoFields,
+    PauseGeneration,
+    ShadowBegin,
+    ShadowSwitch,
+    WeightsChecksum,
+    WeightsChecksumResponse,
+)
 from raygym.errors import WeightSyncError
 from raygym.weightsync.engine_link import EngineLink, as_link, checked
 from raygym.weightsync.probe import EngineProbe, ProbeSpec, compare_logprobs
@@ -186,23 +199,23 @@ class WeightSync:
         """Load into every engine's shadow copy while they serve, verify the shadows, switch, commit."""
         start = time.perf_counter()
         try:
-            catch_up = [checked(link, "raygym/shadow_begin", {"full": force_full}, self.timeout_s) for link in self.links]
+            catch_up = [checked(link, Endpoint.RAYGYM_SHADOW_BEGIN, ShadowBegin(full=force_full), self.timeout_s)
+                        for link in self.links]
             result, error = self._push_and_verify(version, force_full, refresh, shadow=True)
             if error is None:
-                switched = [checked(link, "raygym/shadow_switch",
-                                    {"weight_version": str(version),
-                                     "abort_all_requests": self.pause_mode == "abort" and not self.inflight_swap},
-                                    self.timeout_s) for link in self.links]
+                switch = ShadowSwitch(weight_version=str(version),
+                                      abort_all_requests=self.pause_mode == "abort" and not self.inflight_swap)
+                switched = [checked(link, Endpoint.RAYGYM_SHADOW_SWITCH, switch, self.timeout_s) for link in self.links]
                 _invoke_all(self.trainers[:1], "commit_weights", version, timeout=self.timeout_s)
-                result["metrics"]["sync/pause_s"] = max(float(a.get("switch_s", 0.0)) for a in switched)
-                result["metrics"]["sync/shadow_catch_up_s"] = max(float(a.get("catch_up_s", 0.0)) for a in catch_up)
+                result["metrics"]["sync/pause_s"] = max(a.switch_s for a in switched)
+                result["metrics"]["sync/shadow_catch_up_s"] = max(a.catch_up_s for a in catch_up)
         except WeightSyncError as exc:  # a shadow could not be prepared or switched
             error, result = str(exc), {}
             _invoke(self.trainers[0], "discard_weights", timeout=self.timeout_s)
         if error is not None:
             for link in self.links:
                 try:
-                    checked(link, "raygym/shadow_discard", {}, self.timeout_s)
+                    checked(link, Endpoint.RAYGYM_SHADOW_DISCARD, NoFields(), self.timeout_s)
                 except WeightSyncError:
                     pass  # an engine that cannot answer is reported by its health check
         elif result:
@@ -215,12 +228,12 @@ class WeightSync:
         self._pause()
         try:
             if self.session:
-                self._all("begin_weight_update", {})
+                self._all(Endpoint.BEGIN_WEIGHT_UPDATE, BeginWeightUpdate())
             try:
                 result, error = self._push_and_verify(version, force_full, refresh)
             finally:
                 if self.session:
-                    self._all("end_weight_update", {})
+                    self._all(Endpoint.END_WEIGHT_UPDATE, NoFields())
             if error is None:
                 _invoke_all(self.trainers[:1], "commit_weights", version, timeout=self.timeout_s)
         finally:
@@ -231,15 +244,16 @@ class WeightSync:
 
     def _probe(self, version: int, metrics: dict[str, float]) -> str | None:
         """The engines' log-probs of a seeded probe against the trainer's; None when every engine agrees."""
-        request = self.probe.generate_request(self.temperature)
+        lora_path = None
         if self.spec.adapter_endpoints:  # the probe scores what rollouts get: the base plus the run's adapter
             from raygym.lora import ADAPTER_NAME
 
-            request["lora_path"] = ADAPTER_NAME
+            lora_path = ADAPTER_NAME
+        request = self.probe.generate_request(self.temperature, lora_path=lora_path)
         answers, problems = [], []
         for link in self.links:
             try:
-                answers.append(EngineProbe.from_answer(checked(link, "generate", request, self.timeout_s)))
+                answers.append(EngineProbe.from_answer(checked(link, Endpoint.GENERATE, request, self.timeout_s)))
             except (WeightSyncError, ValueError, KeyError) as exc:
                 return f"{link.name}: probe generation failed: {exc}"
         prompts = [list(p) for p in self.probe.prompts]
@@ -259,9 +273,9 @@ class WeightSync:
                         "sync/probe_logprob_diff_max": worst.max_abs_diff})
         return "; ".join(problems) or None
 
-    def _all(self, endpoint: str, payload: dict[str, Any]) -> None:
+    def _all(self, endpoint: Endpoint, body: Any) -> None:
         for link in self.links:
-            checked(link, endpoint, payload, self.timeout_s)
+            checked(link, endpoint, body, self.timeout_s)
 
     def verify(self, version: int, expected: dict[str, str], shadow: bool = False) -> list[str]:
         """Engines whose weight version or checksums differ from ``expected`` (descriptions); ``shadow``:
@@ -270,11 +284,12 @@ class WeightSync:
             return self.verify_versions(version)
         # LoRA: the adapters only (the base weights never change, hashing them every sync would cost a full pass)
         names = sorted(expected) if self.spec.adapter_config is not None else None
-        body: dict[str, Any] = {"names": names, "shadow": True} if shadow else {"names": names}
+        body = WeightsChecksum(names=names, shadow=True) if shadow else WeightsChecksum(names=names)
 
-        def ask(link: EngineLink) -> dict[str, Any] | str:
+        def ask(link: EngineLink) -> WeightsChecksumResponse | str:
             try:
-                return checked(link, "raygym/weights_checksum", body, self.timeout_s)
+                answer: WeightsChecksumResponse = checked(link, Endpoint.RAYGYM_WEIGHTS_CHECKSUM, body, self.timeout_s)
+                return answer
             except WeightSyncError as exc:
                 return str(exc)
 
@@ -285,10 +300,9 @@ class WeightSync:
             if isinstance(answer, str):
                 bad.append(answer)
                 continue
-            got = answer.get("checksums", {})
-            wrong = [n for n, h in expected.items() if got.get(n) != h]
-            if str(answer.get("weight_version")) != str(version) or wrong:
-                bad.append(f"{link.name}: weight_version {answer.get('weight_version')!r} (want {version}), "
+            wrong = [n for n, h in expected.items() if answer.checksums.get(n) != h]
+            if str(answer.weight_version) != str(version) or wrong:
+                bad.append(f"{link.name}: weight_version {answer.weight_version!r} (want {version}), "
                            f"{len(wrong)} tensor(s) differ {wrong[:3]}")
         return bad
 
@@ -297,12 +311,12 @@ class WeightSync:
         bad = []
         for link in self.links:
             try:
-                info = checked(link, "model_info", {}, self.timeout_s, method="GET")
+                info: ModelInfo = checked(link, Endpoint.MODEL_INFO, None, self.timeout_s)
             except WeightSyncError as exc:
                 bad.append(str(exc))
                 continue
-            if str(info.get("weight_version")) != str(version):
-                bad.append(f"{link.name}: reports weight_version {info.get('weight_version')!r}, want {version}")
+            if str(info.weight_version) != str(version):
+                bad.append(f"{link.name}: reports weight_version {info.weight_version!r}, want {version}")
         return bad
 
     def shutdown(self) -> None:
@@ -335,18 +349,19 @@ class WeightSync:
 
     def _pause(self) -> None:
         for link in self.links:
-            checked(link, "pause_generation", {"mode": self.pause_mode}, self.timeout_s)
+            pause = PauseGeneration.model_validate({"mode": self.pause_mode})
+            checked(link, Endpoint.PAUSE_GENERATION, pause, self.timeout_s)
         for link in self.links:
             self._flush(link)
 
     def _flush(self, link: EngineLink) -> None:
         for attempt in range(FLUSH_RETRIES):
             try:
-                checked(link, "flush_cache", {}, self.timeout_s)
+                checked(link, Endpoint.FLUSH_CACHE, None, self.timeout_s)
                 return
             except WeightSyncError:
                 if attempt == FLUSH_RETRIES // 2:
-                    checked(link, "abort_request", {"abort_all": True}, self.timeout_s)
+                    checked(link, Endpoint.ABORT_REQUEST, AbortRequest(abort_all=True), self.timeout_s)
                 time.sleep(FLUSH_SLEEP_S)
         raise WeightSyncError(f"engine {link.name}: /flush_cache kept failing after {FLUSH_RETRIES} tries "
                               f"(requests still pending? pause mode {self.pause_mode!r})")
@@ -354,6 +369,6 @@ class WeightSync:
     def _continue(self) -> None:
         for link in self.links:
             try:
-                checked(link, "continue_generation", {}, self.timeout_s)
+                checked(link, Endpoint.CONTINUE_GENERATION, ContinueGeneration(), self.timeout_s)
             except WeightSyncError:
                 pass  # an engine that cannot continue is reported by its health check

@@ -1,9 +1,12 @@
-"""How the weight-sync sender and coordinator talk to one engine: the SGLang HTTP endpoints they use.
+"""How the weight-sync sender and coordinator talk to one engine: the endpoints of the engine protocol
+(:mod:`raygym.engine_protocol`) they use.
 
 Three implementations of one small interface, all synchronous with an explicit timeout per call:
-``HttpEngineLink`` (raygym's server or stock SGLang, over HTTP), ``ActorEngineLink`` (a Ray actor that
-exposes the same methods, e.g. a receiver in tests and benchmarks) and ``LocalEngineLink`` (an object
-in this process). Every failure becomes :class:`raygym.errors.WeightSyncError` naming the engine.
+``HttpEngineLink`` (raygym's server, its vLLM adapter or stock SGLang, over HTTP through the one engine
+client, :mod:`raygym.engine_client`), ``ActorEngineLink`` (a Ray actor that exposes the same methods, e.g. a
+receiver in tests and benchmarks) and ``LocalEngineLink`` (an object in this process). Requests are the
+protocol's request models; :func:`checked` parses every answer with the route's answer model, and turns
+every failure into :class:`raygym.errors.WeightSyncError` naming the engine.
 """
 
 from __future__ import annotations
@@ -11,101 +14,89 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
+from raygym.engine_protocol import ROUTES, Endpoint, body_fields, request_body
 from raygym.errors import WeightSyncError
 
 
 class EngineLink(Protocol):
-    """The engine endpoints weight sync needs (names and fields of SGLang's HTTP API)."""
+    """The engine endpoints weight sync needs (routes and bodies of SGLang's HTTP API)."""
 
     name: str
 
-    def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
-        """Send ``payload`` to ``endpoint`` (e.g. ``"update_weights_from_disk"``); return the JSON answer
-        (``method="GET"`` for read-only routes such as ``model_info``)."""
+    def call(self, endpoint: Endpoint, body: Any, timeout: float) -> Any:
+        """Send ``body`` (the route's request model, None for routes without one) to ``endpoint``; return the
+        decoded JSON answer."""
         ...
 
 
-def checked(link: EngineLink, endpoint: str, payload: dict[str, Any], timeout: float,
-            method: str = "POST") -> Any:
-    """``link.call`` that raises ``WeightSyncError`` naming the engine when the answer is not a success.
+def checked(link: EngineLink, endpoint: Endpoint, body: Any, timeout: float) -> Any:
+    """``link.call``, its answer parsed by the route's answer model (a list for a batched ``/generate``; None for
+    routes without one). Raises ``WeightSyncError`` naming the engine when the call fails or the answer says
+    ``success: false``."""
+    from raygym.engine_client import EngineHTTPError, parse_answer
 
-    A JSON object answer is returned as is; a list (``generate`` of a batch) too."""
     try:
-        answer = link.call(endpoint, payload, timeout, method)
+        answer = link.call(endpoint, request_body(endpoint, body), timeout)
     except WeightSyncError:
         raise
+    except EngineHTTPError as exc:
+        raise WeightSyncError(f"engine {link.name}: {endpoint.value} answered failure (HTTP {exc.status}): "
+                              f"{exc.message()}") from exc
     except Exception as exc:  # transport-level failure: connection refused, timeout, dead actor
-        raise WeightSyncError(f"engine {link.name}: /{endpoint} failed: {type(exc).__name__}: {exc}") from exc
+        raise WeightSyncError(f"engine {link.name}: {endpoint.value} failed: {type(exc).__name__}: {exc}") from exc
     if isinstance(answer, dict) and answer.get("success") is False:
-        raise WeightSyncError(f"engine {link.name}: /{endpoint} answered failure: {answer.get('message', '')}")
-    return answer if isinstance(answer, (dict, list)) else {}
+        raise WeightSyncError(f"engine {link.name}: {endpoint.value} answered failure: {answer.get('message', '')}")
+    try:
+        return parse_answer(endpoint, {"success": True} if answer is None and ROUTES[endpoint].answer else answer)
+    except Exception as exc:
+        raise WeightSyncError(f"engine {link.name}: {exc}") from exc
 
 
-_client: Any = None
-_client_lock = threading.Lock()
+_clients: dict[str, Any] = {}
+_clients_lock = threading.Lock()
 
 
-# Idle pooled connections are dropped after this many seconds, well before the servers drop them
-# (uvicorn, under SGLang: 5 s; aiohttp, raygym's server: 75 s), so a request never races a server
-# closing its end. The calls of one sync come milliseconds apart and still share connections.
-KEEPALIVE_S = 2.0
+def _client(base_url: str) -> Any:
+    """The pooled :class:`~raygym.engine_client.EngineClient` of ``base_url`` for synchronous calls (one per URL
+    and process, on :func:`raygym.engine_client.shared_loop`). Building a client costs far more than a pooled
+    request, as much as a whole weight transfer of a small model."""
+    from raygym.engine_client import EngineClient
 
-
-def http_client() -> Any:
-    """The process's pooled ``httpx.Client`` (thread-safe, keep-alive). Building a client costs ~40 ms
-    (its TLS context), as much as a whole weight transfer of a small model; a pooled POST ~2 ms."""
-    global _client
-    with _client_lock:
-        if _client is None:
-            import httpx
-
-            limits = httpx.Limits(max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S)
-            _client = httpx.Client(limits=limits)
-        return _client
+    with _clients_lock:
+        if base_url not in _clients:
+            _clients[base_url] = EngineClient(base_url)
+        return _clients[base_url]
 
 
 class HttpEngineLink:
-    """An engine behind SGLang's HTTP API at ``base_url`` (raygym's server or ``sglang.launch_server``).
-
-    Every request carries the run's engine API key (from the environment, see :mod:`raygym.engine_auth`)."""
+    """An engine behind SGLang's HTTP API at ``base_url`` (raygym's server, its vLLM adapter or
+    ``sglang.launch_server``). Every request carries the run's engine API key (see :mod:`raygym.engine_auth`)."""
 
     def __init__(self, base_url: str, name: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.name = name or self.base_url
 
-    def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
-        from raygym.engine_auth import auth_headers
+    def call(self, endpoint: Endpoint, body: Any, timeout: float) -> Any:
+        from raygym.engine_client import shared_loop
 
-        url = f"{self.base_url}/{endpoint.lstrip('/')}"
-        if method == "GET":
-            resp = http_client().get(url, headers=auth_headers(), timeout=timeout)
-        else:
-            resp = http_client().post(url, json=payload, headers=auth_headers(), timeout=timeout)
-        if resp.status_code >= 400:
-            return {"success": False, "message": f"HTTP {resp.status_code}: {resp.text[:500]}"}
-        if not resp.content:
-            return {"success": True}
-        try:
-            data = resp.json()
-        except ValueError:
-            return {"success": True, "message": resp.text[:500]}
-        return data if isinstance(data, (dict, list)) else {"success": True, "result": data}
+        client = _client(self.base_url)
+        return shared_loop().run(client.send_json(endpoint, body, timeout=timeout), timeout + 5.0)
 
     def __repr__(self) -> str:
         return f"HttpEngineLink({self.base_url!r})"
 
 
 class ActorEngineLink:
-    """A Ray actor with one method per endpoint (``actor.<endpoint>.remote(**payload) -> dict``)."""
+    """A Ray actor with one method per endpoint (``actor.<method_name(endpoint)>.remote(**fields) -> dict``)."""
 
     def __init__(self, actor: Any, name: str):
         self.actor = actor
         self.name = name
 
-    def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
+    def call(self, endpoint: Endpoint, body: Any, timeout: float) -> Any:
         import ray
 
-        return ray.get(getattr(self.actor, method_name(endpoint)).remote(**payload), timeout=timeout)
+        return ray.get(getattr(self.actor, method_name(endpoint)).remote(**body_fields(body)), timeout=timeout)
 
 
 class LocalEngineLink:
@@ -115,13 +106,17 @@ class LocalEngineLink:
         self.target = target
         self.name = name
 
-    def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
-        return getattr(self.target, method_name(endpoint))(**payload)
+    def call(self, endpoint: Endpoint, body: Any, timeout: float) -> Any:
+        return getattr(self.target, method_name(endpoint))(**body_fields(body))
 
 
-def method_name(endpoint: str) -> str:
-    """``"raygym/weights_checksum"`` -> ``"weights_checksum"`` (the method an in-process engine exposes)."""
-    return endpoint.strip("/").rsplit("/", 1)[-1]
+def method_name(endpoint: Endpoint) -> str:
+    """The method an in-process engine exposes for ``endpoint``: the last part of its path.
+
+    >>> method_name(Endpoint.RAYGYM_WEIGHTS_CHECKSUM), method_name(Endpoint.MODEL_INFO)
+    ('weights_checksum', 'model_info')
+    """
+    return endpoint.value.strip("/").rsplit("/", 1)[-1]
 
 
 def as_link(engine: Any, index: int) -> EngineLink:

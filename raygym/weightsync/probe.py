@@ -7,7 +7,7 @@ far more than the numerical noise between the two (bf16 kernels on the engine, f
 
 >>> p = ProbeSpec()
 >>> request = p.generate_request(temperature=1.0)
->>> request["input_ids"][0][:4], request["sampling_params"][0]["max_new_tokens"]
+>>> request.input_ids[0][:4], request.sampling_params[0]["max_new_tokens"]
 ([1, 2, 3, 4], 8)
 >>> compare_logprobs([[-1.0, -2.0]], [[-1.01, -2.03]], tolerance=0.05)
 ProbeResult(tokens=2, mean_abs_diff=0.02, max_abs_diff=0.03, ok=True)
@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from raygym.engine_protocol import GenerateRequest
+
 
 @dataclass(frozen=True)
 class ProbeSpec:
@@ -27,11 +29,13 @@ class ProbeSpec:
     new_tokens: int = 8
     seed: int = 20240601
 
-    def generate_request(self, temperature: float) -> dict[str, Any]:
-        """The ``/generate`` body: one seeded sample per prompt, unfiltered, with output log-probs."""
+    def generate_request(self, temperature: float, lora_path: str | None = None) -> GenerateRequest:
+        """The ``/generate`` request: one seeded sample per prompt, unfiltered, with output log-probs (``lora_path``:
+        generated with that loaded adapter)."""
         params = [{"max_new_tokens": self.new_tokens, "temperature": temperature, "top_p": 1.0, "top_k": -1,
                    "ignore_eos": True, "sampling_seed": self.seed + i} for i in range(len(self.prompts))]
-        return {"input_ids": [list(p) for p in self.prompts], "sampling_params": params, "return_logprob": True}
+        return GenerateRequest(input_ids=[list(p) for p in self.prompts], sampling_params=params, return_logprob=True,
+                               lora_path=lora_path)
 
 
 @dataclass(frozen=True)
@@ -43,14 +47,17 @@ class EngineProbe:
 
     @classmethod
     def from_answer(cls, answer: Any) -> EngineProbe:
-        """Parse SGLang's answer to :meth:`ProbeSpec.generate_request` (a list, one entry per prompt)."""
+        """Read the answer to :meth:`ProbeSpec.generate_request` (a list of
+        :class:`~raygym.engine_protocol.GenerateResponse`, one per prompt)."""
         if not isinstance(answer, list):
             raise ValueError(f"probe: expected a list of answers, got {type(answer).__name__}")
         responses, logprobs = [], []
         for item in answer:
-            pairs = item["meta_info"]["output_token_logprobs"]
-            responses.append([int(p[1]) for p in pairs])
-            logprobs.append([float(p[0]) for p in pairs])
+            if not item.meta_info.output_token_logprobs:
+                raise ValueError("probe: an answer carries no output_token_logprobs")
+            tokens, values = item.tokens_and_logprobs()
+            responses.append(tokens)
+            logprobs.append(values)
         return cls(responses, logprobs)
 
 

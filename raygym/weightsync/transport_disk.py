@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from raygym.engine_protocol import Endpoint, UpdateWeightsFromDisk, UpdateWeightsFromTensor
 from raygym.errors import WeightSyncError
 from raygym.weightsync.codec import as_uint8, dtype_from_name
 from raygym.weightsync.engine_link import EngineLink, checked
@@ -229,18 +230,20 @@ class DiskTransport:
         if not self.keep:
             self.fs.rm(self._path, recursive=True)
 
-    def _load_request(self, engine: int, version: int) -> tuple[str, dict[str, Any]]:
-        """(endpoint, body) that makes engine ``engine`` load this version directory."""
+    def _load_request(self, engine: int, version: int
+                      ) -> tuple[Endpoint, UpdateWeightsFromDisk | UpdateWeightsFromTensor]:
+        """(endpoint, request) that makes engine ``engine`` load this version directory."""
         if self.route == "raygym_bucket":
-            return "update_weights_from_disk", {"model_path": self.url, "load_format": LOADER,
-                                                "weight_version": str(version)}
+            return Endpoint.UPDATE_WEIGHTS_FROM_DISK, UpdateWeightsFromDisk(model_path=self.url, load_format=LOADER,
+                                                                            weight_version=str(version))
         if self.route == "hf_dir":
-            return "update_weights_from_disk", {"model_path": self.url, "weight_version": str(version)}
+            return Endpoint.UPDATE_WEIGHTS_FROM_DISK, UpdateWeightsFromDisk(model_path=self.url,
+                                                                            weight_version=str(version))
         pointer = json.dumps({"url": self.url, "engine": engine, "version": version}).encode()
         named = [(POINTER_NAME, torch.frombuffer(bytearray(pointer), dtype=torch.uint8))]
-        return "update_weights_from_tensor", {
-            "serialized_named_tensors": [dumps_named_tensors(named)] * self.tp_sizes[engine],
-            "load_format": MODEL_LOADER, "flush_cache": False, "weight_version": str(version)}
+        return Endpoint.UPDATE_WEIGHTS_FROM_TENSOR, UpdateWeightsFromTensor(
+            serialized_named_tensors=[dumps_named_tensors(named)] * self.tp_sizes[engine],
+            load_format=MODEL_LOADER, flush_cache=False, weight_version=str(version))
 
     def _check_acks(self) -> list[str]:
         """Every TP rank of every engine acknowledged, with the checksums of this version's manifest."""

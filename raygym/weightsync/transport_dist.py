@@ -36,11 +36,18 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
+from raygym.engine_protocol import (
+    FLATTENED_BUCKET,
+    DestroyWeightsUpdateGroup,
+    Endpoint,
+    InitWeightsUpdateGroup,
+    UpdateWeightsFromDistributed,
+    WeightUpdateResult,
+)
 from raygym.errors import WeightSyncError
 from raygym.weightsync.engine_link import EngineLink, checked
 from raygym.weightsync.payload import BUCKET_NAME, FULL, LOADER, MANIFEST_NAME, Manifest
 
-FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one flat buffer of HF-named tensors
 FORMATS = ("raygym_bucket", FLATTENED_BUCKET)
 
 
@@ -204,7 +211,7 @@ class _Announced(NamedTuple):
     """A packed bucket that will be sent next, and its engines' requests once posted."""
 
     flat: torch.Tensor
-    payload: dict[str, Any]
+    payload: UpdateWeightsFromDistributed
     tensors: list[torch.Tensor]
     futures: list[Future] | None
 
@@ -265,9 +272,10 @@ class DistTransport:
         offset = 1
         for link, tp in zip(self.engines, self.tp_sizes, strict=True):
             # an engine's TP ranks join at rank_offset + tp_rank: offsets advance by each engine's TP size
-            payload = {"master_address": self.master_address, "master_port": port, "rank_offset": offset,
-                       "world_size": world, "group_name": self.group_name, "backend": self.backend}
-            futures.append(self._pool.submit(checked, link, "init_weights_update_group", payload, self.timeout_s))
+            join = InitWeightsUpdateGroup(master_address=self.master_address, master_port=port, rank_offset=offset,
+                                          world_size=world, group_name=self.group_name,
+                                          backend=self.backend)  # type: ignore[arg-type]
+            futures.append(self._pool.submit(checked, link, Endpoint.INIT_WEIGHTS_UPDATE_GROUP, join, self.timeout_s))
             offset += tp
         try:
             pg = join_group(self.master_address, port, 0, world, self.group_name, self.backend, self.timeout_s,
@@ -358,22 +366,24 @@ class DistTransport:
             else:
                 self._may_post_next = not self._announced
 
-    def _post(self, payload: dict[str, Any]) -> list[Future]:
-        return [self._pool.submit(checked, link, "update_weights_from_distributed", payload, self.timeout_s)
+    def _post(self, request: UpdateWeightsFromDistributed) -> list[Future]:
+        return [self._pool.submit(checked, link, Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED, request, self.timeout_s)
                 for link in self.engines]
 
     def _request(self, version: int, manifest: torch.Tensor, flat: torch.Tensor
-                 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """The ``/update_weights_from_distributed`` body of one bucket and the tensors to broadcast."""
-        common = {"group_name": self.group_name, "flush_cache": False, "weight_version": str(version)}
+                 ) -> tuple[UpdateWeightsFromDistributed, list[torch.Tensor]]:
+        """The ``/update_weights_from_distributed`` request of one bucket and the tensors to broadcast."""
         if self.fmt == "flattened_bucket":
             entries = Manifest.from_bytes(manifest).entries
             assert all(e.encoding == FULL for e in entries), "flattened buckets carry full tensors only"
-            return ({"names": [e.name for e in entries], "dtypes": [e.dtype for e in entries],
-                     "shapes": [list(e.shape) for e in entries], "load_format": FLATTENED_BUCKET, **common}, [flat])
-        return ({"names": [MANIFEST_NAME, BUCKET_NAME], "dtypes": ["uint8", "uint8"],
-                 "shapes": [[int(manifest.numel())], [int(flat.numel())]], "load_format": LOADER, **common},
-                [manifest, flat])
+            return (UpdateWeightsFromDistributed(
+                names=[e.name for e in entries], dtypes=[e.dtype for e in entries],
+                shapes=[list(e.shape) for e in entries], load_format=FLATTENED_BUCKET, group_name=self.group_name,
+                flush_cache=False, weight_version=str(version)), [flat])
+        return (UpdateWeightsFromDistributed(
+            names=[MANIFEST_NAME, BUCKET_NAME], dtypes=["uint8", "uint8"],
+            shapes=[[int(manifest.numel())], [int(flat.numel())]], load_format=LOADER, group_name=self.group_name,
+            flush_cache=False, weight_version=str(version)), [manifest, flat])
 
     def finish(self, version: int) -> None:
         """Wait for every engine's answer to every bucket of ``version``."""
@@ -387,12 +397,11 @@ class DistTransport:
             self._unanswered.clear()
             raise WeightSyncError(f"version {version}: engine(s) failed to load a bucket: {'; '.join(failed)}")
         for i, fut in enumerate(futures):
-            answer = fut.result()
-            if isinstance(answer, dict):
-                self.apply_s[i] += float(answer.get("apply_s") or 0.0)
-                self.in_place_buckets[i] += int(bool(answer.get("in_place")))
-                self.adopted_buckets[i] += int(bool(answer.get("adopted")))
-                self.setup_s[i] += float(answer.get("setup_s") or 0.0)
+            answer: WeightUpdateResult = fut.result()
+            self.apply_s[i] += answer.apply_s
+            self.in_place_buckets[i] += int(answer.in_place)
+            self.adopted_buckets[i] += int(answer.adopted)
+            self.setup_s[i] += answer.setup_s
 
     def close_group(self) -> None:
         """Leave the current group (engines are asked to destroy theirs; failures are ignored)."""
@@ -400,7 +409,8 @@ class DistTransport:
             return
         for link in self.engines:
             try:
-                link.call("destroy_weights_update_group", {"group_name": self.group_name}, min(self.timeout_s, 10.0))
+                link.call(Endpoint.DESTROY_WEIGHTS_UPDATE_GROUP, DestroyWeightsUpdateGroup(group_name=self.group_name),
+                          min(self.timeout_s, 10.0))
             except Exception:
                 pass
         self._pg = None

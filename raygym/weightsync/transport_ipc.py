@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from raygym.engine_protocol import Endpoint, UpdateWeightsFromTensor
 from raygym.errors import WeightSyncError
 from raygym.weightsync.codec import dtype_from_name
 from raygym.weightsync.engine_link import EngineLink, checked
@@ -111,9 +112,10 @@ class IpcTransport:
         handles = serialize_cuda_tensors(tensors)
         futures = []
         for link, tp in zip(self.engines, self.tp_sizes, strict=True):
-            payload = {"serialized_named_tensors": [handles] * tp, "load_format": load_format, "flush_cache": False,
-                       "weight_version": str(version)}
-            futures.append(self._pool.submit(checked, link, "update_weights_from_tensor", payload, self.timeout_s))
+            request = UpdateWeightsFromTensor(serialized_named_tensors=[handles] * tp, load_format=load_format,
+                                              flush_cache=False, weight_version=str(version))
+            futures.append(self._pool.submit(checked, link, Endpoint.UPDATE_WEIGHTS_FROM_TENSOR, request,
+                                             self.timeout_s))
         failed = []
         for link, fut in zip(self.engines, futures, strict=True):
             try:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from raygym.engine_protocol import Endpoint, GenerateRequest
 from raygym.presets import tiny
 from raygym.rollout.engine import EngineActor
 
@@ -42,11 +43,8 @@ def test_engine_actor_generates_detects_a_killed_server_and_restarts(ray_local, 
     try:
         url = ray.get(actor.start.remote(), timeout=240)
         assert url.startswith("http://127.0.0.1:")
-        payload = {
-            "input_ids": [[3, 4, 5], [6, 7]],
-            "return_logprob": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True},
-        }
+        payload = GenerateRequest(input_ids=[[3, 4, 5], [6, 7]], return_logprob=True,
+                                  sampling_params={"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
         first = ray.get([actor.generate.remote(payload) for _ in range(4)], timeout=120)
         ids = [[o["output_ids"] for o in out] for out in first]
         assert all(i == ids[0] for i in ids)  # greedy: concurrent calls agree
@@ -73,7 +71,7 @@ def test_engine_actor_generates_detects_a_killed_server_and_restarts(ray_local, 
         assert [o["output_ids"] for o in again] == [o["output_ids"] for o in first[0]]
         # The restarted server announces the version the actor tracks.
         assert again[0]["meta_info"]["weight_version"] == "4"
-        info = ray.get(actor.call.remote("get_model_info"))
+        info = ray.get(actor.call.remote(Endpoint.MODEL_INFO))
         assert info["model_path"] == tiny_model_path
 
         last_pid = ray.get(actor.pid.remote())

@@ -19,8 +19,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from pydantic import BaseModel
 
 from raygym.builtin import build_tiny_model
+from raygym.engine_protocol import GenerateRequest
 from raygym.rollout.client import EngineClient, EngineHTTPError
 from raygym.rollout.engine import free_port
 from raygym.rollout.server import tensor_checksum
@@ -125,14 +127,26 @@ def ref_model(model_path):
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
 
 
+def wire(answer):
+    """An answer the client parsed, as the JSON the server sent (the fields it carried, nothing added)."""
+    if isinstance(answer, list):
+        return [wire(a) for a in answer]
+    return answer.model_dump(exclude_unset=True) if isinstance(answer, BaseModel) else answer
+
+
 def run(url: str, fn):
-    """Run ``fn(client)`` (a coroutine factory) with a fresh EngineClient."""
+    """Run ``fn(client)`` (a coroutine factory) with a fresh EngineClient; answers as the server sent them."""
 
     async def go():
         async with EngineClient(url, timeout=120) as client:
-            return await fn(client)
+            return wire(await fn(client))
 
     return asyncio.run(go())
+
+
+def generate(client: EngineClient, body: dict):
+    """``/generate`` of a request given as its JSON body."""
+    return client.generate(GenerateRequest.model_validate(body))
 
 
 def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
@@ -150,7 +164,7 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
 def greedy_ids(url: str, prompts: list[list[int]], n: int = 8) -> list[list[int]]:
     out = run(
         url,
-        lambda c: c.generate(
+        lambda c: generate(c,
             {
                 "input_ids": prompts,
                 "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
@@ -166,7 +180,7 @@ PROMPTS = [[2, 3, 4, 5], [10, 11], [7, 8, 9, 20, 21, 22]]
 def test_generate_greedy_batch_matches_hf_and_logprobs_match_log_softmax(server, ref_model):
     out = run(
         server,
-        lambda c: c.generate(
+        lambda c: generate(c,
             {
                 "input_ids": PROMPTS,
                 "return_logprob": True,
@@ -200,7 +214,7 @@ def test_sampled_logprobs_use_temperature_scaled_logits(server, ref_model):
     prompt = [4, 5, 6]
     o = run(
         server,
-        lambda c: c.generate(
+        lambda c: generate(c,
             {
                 "input_ids": prompt,
                 "return_logprob": True,
@@ -236,13 +250,13 @@ def test_text_input_n_samples_seed_and_stop_string(server):
             "sampling_seed": 9,
         },
     }
-    a = run(server, lambda c: c.generate(base))
-    b = run(server, lambda c: c.generate(base))
+    a = run(server, lambda c: generate(c, base))
+    b = run(server, lambda c: generate(c, base))
     assert isinstance(a, list) and len(a) == 3
     assert [o["output_ids"] for o in a] == [o["output_ids"] for o in b]  # same seed, same samples
     greedy = run(
         server,
-        lambda c: c.generate(
+        lambda c: generate(c,
             {
                 "text": "next:3=",
                 "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
@@ -253,7 +267,7 @@ def test_text_input_n_samples_seed_and_stop_string(server):
     stop = greedy["text"][3:5]
     cut = run(
         server,
-        lambda c: c.generate(
+        lambda c: generate(c,
             {
                 "text": "next:3=",
                 "sampling_params": {
@@ -270,7 +284,7 @@ def test_text_input_n_samples_seed_and_stop_string(server):
     stop_id = greedy["output_ids"][2]
     by_id = run(
         server,
-        lambda c: c.generate(
+        lambda c: generate(c,
             {
                 "text": "next:3=",
                 "sampling_params": {
@@ -295,7 +309,7 @@ def test_text_input_n_samples_seed_and_stop_string(server):
         ({"input_ids": []}, "non-empty"),
         ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
         ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "unknown field"),
-        ({"input_ids": [1], "stream": True}, "stream"),
+        ({"input_ids": [1], "stream": "yes"}, "stream"),
         ({"input_ids": [[1], [2]], "rid": ["only-one"]}, "rid"),
     ],
 )
@@ -303,6 +317,54 @@ def test_bad_generate_requests_answer_400_with_a_message(server, body, needle):
     r = httpx.post(f"{server}/generate", json=body, timeout=30)
     assert r.status_code == 400
     assert needle in r.json()["error"]["message"]
+
+
+def test_stream_sends_each_decode_step_and_ends_with_the_whole_answer(server):
+    body = {"input_ids": [[3, 4, 5], [6, 7]], "return_logprob": True, "sampling_params": [
+        {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+        {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True, "n": 2}]}
+    whole = run(server, lambda c: generate(c, body))
+
+    async def stream(c):
+        return [chunk async for chunk in c.generate_stream(GenerateRequest.model_validate(body))]
+
+    chunks = run(server, stream)
+    by_row: dict[int, list[dict]] = {}
+    for chunk in chunks:
+        by_row.setdefault(chunk["index"], []).append(chunk)
+    assert sorted(by_row) == [0, 1, 2]  # one row per sample: prompt 0, then prompt 1's two samples
+    for row, updates in by_row.items():
+        # the first token goes out alone as soon as it is decoded; the rest follow as they come, coalesced into
+        # one update per wake-up of the HTTP loop (a loaded machine may hand several tokens to one update)
+        assert len(updates) >= 2 and len(updates[0]["output_ids"]) == 1
+        assert all(u["meta_info"]["finish_reason"] is None for u in updates[:-1])
+        for before, after in zip(updates, updates[1:], strict=False):  # cumulative: each extends the last
+            assert after["output_ids"][: len(before["output_ids"])] == before["output_ids"]
+            assert after["text"].startswith(before["text"])
+        final = {k: v for k, v in updates[-1].items() if k != "index"}
+        expected = whole[row]
+        assert final["output_ids"] == expected["output_ids"] and final["text"] == expected["text"]
+        assert final["meta_info"]["finish_reason"] == expected["meta_info"]["finish_reason"]
+        assert final["meta_info"]["output_token_logprobs"] == expected["meta_info"]["output_token_logprobs"]
+    raw = httpx.post(f"{server}/generate", json={**body, "stream": True}, timeout=60)
+    frames = raw.text.split("\n\n")
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert frames[-2:] == ["data: [DONE]", ""] and all(f.startswith("data: {") for f in frames[:-2])
+
+
+def test_a_stream_the_client_leaves_is_cancelled(server):
+    async def leave_after_three(c):
+        request = GenerateRequest(input_ids=[3, 4], rid="left", sampling_params={
+            "temperature": 0, "max_new_tokens": 60000, "ignore_eos": True})
+        seen = 0
+        async for _ in c.generate_stream(request):
+            seen += 1
+            if seen == 3:
+                break
+        return seen
+
+    assert run(server, leave_after_three) == 3
+    _wait_pending(server, 0)  # its slot is free again: the server cancelled the request
 
 
 def test_bad_json_and_bad_control_requests_answer_400(server):
@@ -429,7 +491,7 @@ def test_concurrent_requests_are_served_by_one_batch(server):
         before = (await client.stats())["batches"]
         await asyncio.gather(
             *(
-                client.generate({"input_ids": [5, i], "sampling_params": {"max_new_tokens": 4}})
+                generate(client, {"input_ids": [5, i], "sampling_params": {"max_new_tokens": 4}})
                 for i in range(16)
             )
         )

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from raygym.config import Recipe
+from raygym.engine_protocol import Endpoint, GenerateRequest
 from raygym.errors import WeightSyncError
 from raygym.rollout.auth import use_engine_api_key
 from raygym.rollout.engine import EngineActor
@@ -42,9 +43,9 @@ def engine(sglang_python, sglang_model, tmp_path_factory):
 
 
 def generate(engine: EngineActor, prompts: list[list[int]], **params) -> list[dict]:
-    return engine.generate({"input_ids": prompts, "return_logprob": True, "logprob_start_len": 0,
+    return engine.generate(GenerateRequest.model_validate({"input_ids": prompts, "return_logprob": True, "logprob_start_len": 0,
                             "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True,
-                                                "spaces_between_special_tokens": False, **params}})
+                                                "spaces_between_special_tokens": False, **params}}))
 
 
 def hf_logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
@@ -71,7 +72,7 @@ def test_generate_with_logprobs_through_raygyms_client(engine, sglang_model):
         want = hf_logprobs(model, prompt, tokens)
         got = [lp for lp, _, _ in meta["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 0.05, (got, want)
-    info = engine.call("get_model_info")
+    info = engine.call(Endpoint.MODEL_INFO)
     assert info["weight_version"] == "0" and info["has_image_understanding"] is False
 
 
@@ -84,12 +85,12 @@ def test_every_route_needs_the_api_key_but_health(engine):
 
 
 def test_pause_continue_flush_release_resume(engine):
-    assert engine.call("pause_generation", mode="abort")["status"] == "ok"
-    assert engine.call("flush_cache") is True
-    engine.call("continue_generation")
+    assert engine.call(Endpoint.PAUSE_GENERATION, mode="abort")["status"] == "ok"
+    assert engine.flush_cache() is True
+    engine.call(Endpoint.CONTINUE_GENERATION)
     assert len(generate(engine, [[5, 6]])[0]["output_ids"]) == 6
-    engine.call("release_memory_occupation")
-    engine.call("resume_memory_occupation")
+    engine.call(Endpoint.RELEASE_MEMORY)
+    engine.call(Endpoint.RESUME_MEMORY)
     assert len(generate(engine, [[5, 6]])[0]["output_ids"]) == 6
 
 
@@ -101,7 +102,7 @@ def make_sync(engine, sglang_python, trainer, cast_dtype=None, **over) -> Weight
 
 
 def assert_serves_trainer(engine, trainer, version: int) -> None:
-    assert engine.call("get_model_info")["weight_version"] == str(version)
+    assert engine.call(Endpoint.MODEL_INFO)["weight_version"] == str(version)
     prompt = [3, 4, 5, 6]
     answer = generate(engine, [prompt], sampling_seed=11)[0]
     tokens = answer["output_ids"]

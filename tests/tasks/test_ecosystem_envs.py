@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from raygym.builtin import build_tokenizer
+from raygym.engine_protocol import GenerateRequest
 from raygym.envs import EpisodeRunner
 from raygym.envs.specs import parse_env_spec
 from raygym.presets import tiny
@@ -41,8 +42,8 @@ class Recorder:
 
     def for_sample(self, key):
         async def generate(input_ids, params):
-            out = await self.client.generate({"input_ids": input_ids, "sampling_params": params,
-                                              "return_logprob": True})
+            out = await self.client.generate(GenerateRequest.model_validate({"input_ids": input_ids, "sampling_params": params,
+                                              "return_logprob": True}))
             self.outputs.setdefault(key, []).append([int(e[1]) for e in out["meta_info"]["output_token_logprobs"]])
             return out
         return generate

@@ -12,6 +12,7 @@ import torch
 from raygym.builtin import build_tokenizer
 from raygym.config import Recipe
 from raygym.distill import TeacherActor, distill_advantages, reverse_kl_per_token
+from raygym.engine_protocol import GenerateRequest
 from raygym.envs import Environment, EpisodeRunner, Step
 from raygym.judge import JudgeClient, JudgeSettings
 from raygym.presets import tiny
@@ -66,8 +67,8 @@ def test_episodes_token_in_token_out_with_masks_limits_and_many_in_flight(engine
 
             async def generate(input_ids, params):
                 sent.append(list(input_ids))
-                out = await client.generate({"input_ids": input_ids, "sampling_params": params,
-                                             "return_logprob": True})
+                out = await client.generate(GenerateRequest.model_validate({"input_ids": input_ids, "sampling_params": params,
+                                             "return_logprob": True}))
                 answers.append(out)
                 return out
 
@@ -114,7 +115,7 @@ def test_episodes_token_in_token_out_with_masks_limits_and_many_in_flight(engine
 
 def client_generate(client):
     async def generate(input_ids, params):
-        return await client.generate({"input_ids": input_ids, "sampling_params": params, "return_logprob": True})
+        return await client.generate(GenerateRequest.model_validate({"input_ids": input_ids, "sampling_params": params, "return_logprob": True}))
     return generate
 
 
@@ -151,10 +152,10 @@ def test_teacher_log_probs_line_up_with_the_engines(engine_url, tiny_model_path)
 
     async def sample_some():
         async with EngineClient(engine_url) as client:
-            return await client.generate({"input_ids": [tok.encode(f"next:{i}=") for i in range(4)],
+            return await client.generate(GenerateRequest.model_validate({"input_ids": [tok.encode(f"next:{i}=") for i in range(4)],
                                           "sampling_params": {"max_new_tokens": 6, "temperature": 0.7,
                                                               "ignore_eos": True},
-                                          "return_logprob": True})
+                                          "return_logprob": True}))
 
     outputs = asyncio.run(sample_some())
     teacher = TeacherActor(tiny_model_path, device="cpu", max_tokens_per_batch=30)  # forces several batches

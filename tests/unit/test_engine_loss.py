@@ -10,6 +10,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
+from raygym.engine_protocol import GenerateRequest, GenerateResponse
 from raygym.rollout.health import EnginePool, actor_gone
 from raygym.rollout.router import HEALTHY, LOST, NEEDS_WEIGHTS, Router
 
@@ -44,11 +45,13 @@ class Client:
     def __init__(self, url: str, dead: set[str], served: list[str]) -> None:
         self.url, self.dead, self.served = url, dead, served
 
-    async def generate(self, payload: dict[str, Any]) -> dict[str, Any]:
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
         if self.url in self.dead:
             raise ConnectionResetError(f"{self.url}: connection reset by peer")
         self.served.append(self.url)
-        return {"text": "7", "meta_info": {"finish_reason": {"type": "stop"}}}
+        return GenerateResponse.model_validate({"text": "7", "output_ids": [7], "meta_info": {
+            "id": "r", "finish_reason": {"type": "stop"}, "prompt_tokens": len(request.input_ids or []),
+            "completion_tokens": 1}})
 
     async def aclose(self) -> None:
         pass
@@ -80,7 +83,7 @@ def test_pool_retries_elsewhere_marks_the_engine_lost_and_takes_a_replacement() 
         await pool.start()
         dead.add("http://10.0.0.12:1")  # engine 0's node dies: its server resets every connection
 
-        answers = await asyncio.gather(*(pool.request({"input_ids": [1, 2]}) for _ in range(6)))
+        answers = await asyncio.gather(*(pool.request(GenerateRequest(input_ids=[1, 2])) for _ in range(6)))
         assert all(i == 1 for i, _ in answers) and len(served) == 6  # every request answered, by engine 1
         assert pool.retries >= 1
         await pool.wait_for_recoveries()
@@ -92,10 +95,10 @@ def test_pool_retries_elsewhere_marks_the_engine_lost_and_takes_a_replacement() 
         await pool.replace_engine(0, replacement)
         assert pool.engines[0] is replacement and pool.urls[0] == "http://10.0.0.12:2"
         assert pool.router.state(0) == NEEDS_WEIGHTS
-        await asyncio.gather(*(pool.request({"input_ids": [3]}) for _ in range(4)))
+        await asyncio.gather(*(pool.request(GenerateRequest(input_ids=[3])) for _ in range(4)))
         assert "http://10.0.0.12:2" not in served  # no traffic before it holds the current weights
         assert not pool.mark_engine_synced(0, 4) and pool.mark_engine_synced(0, 5)
-        await asyncio.gather(*(pool.request({"input_ids": [3]}) for _ in range(4)))
+        await asyncio.gather(*(pool.request(GenerateRequest(input_ids=[3])) for _ in range(4)))
         assert "http://10.0.0.12:2" in served
         await pool.close()
 
@@ -111,7 +114,7 @@ def test_a_lost_engine_reported_by_the_driver_is_taken_out_of_rotation() -> None
         pool.mark_lost(1, "its actor died (ActorDiedError)")
         pool.mark_lost(1, "reported twice")  # idempotent
         assert pool.router.state(1) == LOST and len(pool.failures) == 1
-        await asyncio.gather(*(pool.request({"input_ids": [1]}) for _ in range(3)))
+        await asyncio.gather(*(pool.request(GenerateRequest(input_ids=[1])) for _ in range(3)))
         assert served == ["http://a:1"] * 3
         await pool.close()
 

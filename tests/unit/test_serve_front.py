@@ -15,35 +15,45 @@ import pytest
 from pydantic import ValidationError
 
 from raygym.builtin import build_tokenizer
+from raygym.engine_protocol import GenerateRequest, GenerateResponse
 from raygym.errors import ConfigError
 from raygym.serve.deployment import API_KEY_ENV, ServeSettings, deployment_options, read_api_key
 from raygym.serve.front import OpenAIError, OpenAIFront, row_seed
 from raygym.serve.http import authorized, build_http_app, key_digest, validation_error
-from raygym.serve.protocol import ChatCompletionRequest, CompletionRequest
+from raygym.serve.protocol import ChatCompletionRequest, Completion, CompletionRequest
 
 KEY = "serve-unit-key-0123456789"
 MODEL = "tiny"
 
 
 class RecordingEngine:
-    """Answers batched /generate payloads like SGLang: per row, echoes the prompt's last token plus a
-    fixed tail, with log-probs, stopping by length. Records every payload."""
+    """Answers batched /generate requests like SGLang: per row, echoes the prompt's last token plus a
+    fixed tail, with log-probs, stopping by length; streamed, one update per token (SGLang's cumulative
+    form, ``index`` = the row). Records every request as it goes on the wire."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.payloads: list[dict] = []
 
-    async def __call__(self, payload):
-        self.payloads.append(payload)
-        answers = []
-        for ids, params in zip(payload["input_ids"], payload["sampling_params"], strict=True):
-            out = ([ids[-1]] + self.tokenizer.encode("ab", add_special_tokens=False))[: params["max_new_tokens"]]
-            answers.append({
-                "text": self.tokenizer.decode(out),
-                "meta_info": {"output_token_logprobs": [[-0.5 - i, t, None] for i, t in enumerate(out)],
-                              "finish_reason": {"type": "length", "length": len(out)}},
-            })
-        return answers
+    def _answer(self, row: int, ids: list[int], out: list[int], finished: bool, length: int) -> GenerateResponse:
+        return GenerateResponse.model_validate({
+            "text": self.tokenizer.decode(out), "output_ids": out, "index": row,
+            "meta_info": {"id": f"r{row}", "prompt_tokens": len(ids), "completion_tokens": len(out),
+                          "output_token_logprobs": [[-0.5 - i, t, None] for i, t in enumerate(out)],
+                          "finish_reason": {"type": "length", "length": length} if finished else None}})
+
+    def _rows(self, request: GenerateRequest):
+        self.payloads.append(request.model_dump(exclude_unset=True))
+        for row, (ids, params) in enumerate(zip(request.input_ids, request.sampling_params, strict=True)):
+            yield row, ids, ([ids[-1]] + self.tokenizer.encode("ab", add_special_tokens=False))[: params["max_new_tokens"]]
+
+    async def generate(self, request: GenerateRequest):
+        return [self._answer(row, ids, out, True, len(out)) for row, ids, out in self._rows(request)]
+
+    async def generate_stream(self, request: GenerateRequest):
+        for row, ids, out in self._rows(request):
+            for k in range(1, len(out) + 1):
+                yield self._answer(row, ids, out[:k], k == len(out), len(out))
 
 
 @pytest.fixture
@@ -53,8 +63,8 @@ def front():
     return OpenAIFront(tok, engine, MODEL, context_len=32, default_max_tokens=5), engine
 
 
-async def _events(agen):
-    return [frame async for frame in agen]
+async def _events(started):
+    return [frame async for frame in await started]
 
 
 def test_request_validation_names_the_parameter():
@@ -110,19 +120,44 @@ def test_chat_uses_the_template_and_streams_openai_chunks(front):
         "model": MODEL, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True,
         "messages": [{"role": "system", "content": "a"}, {"role": "user", "content": [{"type": "text", "text": "b"}]}],
     })
-    generation = asyncio.run(f.chat(req))
+    frames = asyncio.run(_events(f.stream_chat(req)))
     expected = f.tokenizer.apply_chat_template([{"role": "system", "content": "a"}, {"role": "user", "content": "b"}],
                                                tokenize=False, add_generation_prompt=True)
     assert engine.payloads[-1]["input_ids"] == [f.encode(expected)]
     assert engine.payloads[-1]["sampling_params"][0]["max_new_tokens"] == 5  # default_max_tokens
-    frames = asyncio.run(_events(f.chat_events(req, generation)))
     assert frames[-1] == "data: [DONE]\n\n" and all(fr.startswith("data: ") and fr.endswith("\n\n") for fr in frames)
     chunks = [oai_chat.ChatCompletionChunk.model_validate(json.loads(fr[6:])) for fr in frames[:-1]]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "bab"
+    contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert contents == ["b", "a", "b"]  # one chunk per engine update, as they come
+    logprobs = [lp.logprob for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert logprobs == [-0.5, -1.5, -2.5]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
     assert len({c.id for c in chunks}) == 1
+
+
+def test_streamed_completion_matches_the_whole_answer_row_by_row(front):
+    f, _ = front
+    body = {"model": MODEL, "prompt": ["next:1=", "next:22="], "n": 2, "max_tokens": 3, "logprobs": 0, "echo": True,
+            "seed": 4}
+    whole = f.completion_body(CompletionRequest.model_validate(body),
+                              asyncio.run(f.complete(CompletionRequest.model_validate(body))))
+    req = CompletionRequest.model_validate({**body, "stream": True, "stream_options": {"include_usage": True}})
+    frames = asyncio.run(_events(f.stream_completion(req)))
+    # OpenAI's streamed completion chunks carry finish_reason null until the last (its Completion type says non-null)
+    chunks = [Completion.model_validate(json.loads(fr[6:])) for fr in frames[:-1]]
+    assert frames[-1] == "data: [DONE]\n\n" and len({c.id for c in chunks}) == 1
+    for choice in whole.choices:
+        parts = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(p.text for p in parts) == choice.text  # the echoed prompt, then the tokens as they came
+        assert len([p for p in parts if p.text]) == 3  # one chunk per update (the first carries the echo)
+        assert [p.finish_reason for p in parts][-1] == choice.finish_reason == "length"
+        tokens = [t for p in parts if p.logprobs for t in p.logprobs.tokens]
+        offsets = [o for p in parts if p.logprobs for o in p.logprobs.text_offset]
+        assert tokens == choice.logprobs.tokens and offsets == choice.logprobs.text_offset
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
 
 
 def test_front_errors(front):
@@ -171,19 +206,27 @@ def test_engine_failures_map_to_openai_errors():
 
     tok = build_tokenizer()
 
-    async def refusing(payload):
-        raise EngineHTTPError("http://e", "/generate", 400, '{"error": {"message": "top_k must be >= -1"}}')
+    class Failing:
+        def __init__(self, error):
+            self.error = error
 
-    async def gone(payload):
-        raise EngineConnectionError("http://e/generate: no answer in time")
+        async def generate(self, request):
+            raise self.error
 
+        async def generate_stream(self, request):
+            raise self.error
+            yield  # an async generator that fails at its first update
+
+    refusing = Failing(EngineHTTPError("http://e", "/generate", 400, '{"error": {"message": "top_k must be >= -1"}}'))
+    gone = Failing(EngineConnectionError("http://e/generate: no answer in time"))
     auth = {"Authorization": f"Bearer {KEY}"}
-    r = _client(OpenAIFront(tok, refusing, MODEL)).post("/v1/completions", json={"model": MODEL, "prompt": "x"},
-                                                        headers=auth)
-    assert r.status_code == 400 and r.json()["error"]["message"].endswith("top_k must be >= -1")
-    r = _client(OpenAIFront(tok, gone, MODEL)).post("/v1/chat/completions", headers=auth, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "x"}]})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    for stream in (False, True):  # a streamed request fails before its answer starts: the same status
+        r = _client(OpenAIFront(tok, refusing, MODEL)).post(
+            "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": stream}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["message"].endswith("top_k must be >= -1")
+        r = _client(OpenAIFront(tok, gone, MODEL)).post("/v1/chat/completions", headers=auth, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": stream})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
 
 
 def test_key_digest_and_authorized():

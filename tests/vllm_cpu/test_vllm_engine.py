@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from raygym.config import Recipe
+from raygym.engine_protocol import Endpoint, GenerateRequest
 from raygym.errors import WeightSyncError
 from raygym.rollout.auth import use_engine_api_key
 from raygym.rollout.engine import EngineActor
@@ -46,9 +47,9 @@ def engine(vllm_python, vllm_model, tmp_path_factory):
 
 
 def generate(engine: EngineActor, prompts: list[list[int]], **params) -> list[dict]:
-    return engine.generate({"input_ids": prompts, "return_logprob": True, "logprob_start_len": 0,
+    return engine.generate(GenerateRequest.model_validate({"input_ids": prompts, "return_logprob": True, "logprob_start_len": 0,
                             "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True,
-                                                "spaces_between_special_tokens": False, **params}})
+                                                "spaces_between_special_tokens": False, **params}}))
 
 
 def hf_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> list[float]:
@@ -88,7 +89,7 @@ def test_generate_with_logprobs_through_raygyms_client(engine, vllm_model):
     want = hf_logprobs(model, prompts[0], cold["output_ids"], temperature=0.7)
     got = [lp for lp, _, _ in cold["meta_info"]["output_token_logprobs"]]
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 0.02
-    info = engine.call("get_model_info")
+    info = engine.call(Endpoint.MODEL_INFO)
     assert info["weight_version"] == "0" and info["has_image_understanding"] is False
 
 
@@ -97,7 +98,7 @@ def test_stop_tokens_and_unknown_sampling_fields(engine):
     stop_at = greedy["output_ids"][2]
     stopped = generate(engine, [[3, 4, 5]], temperature=0.0, max_new_tokens=8, stop_token_ids=[stop_at])[0]
     assert stopped["output_ids"] == greedy["output_ids"][: greedy["output_ids"].index(stop_at) + 1]
-    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+    assert stopped["meta_info"]["finish_reason"].model_dump(exclude_unset=True) == {"type": "stop", "matched": stop_at}
     with pytest.raises(Exception, match="regex"):
         generate(engine, [[3, 4]], regex="a+")
 
@@ -125,18 +126,18 @@ def test_pause_abort_continue_flush_release_resume(engine):
             time.sleep(0.02)
     # all of them in flight at the pause; else the batch may finish first and nothing is left to abort
     assert running == len(long), f"only {max(seen, default=0)} of {len(long)} requests were ever in flight: {seen[-20:]}"
-    assert engine.call("pause_generation", mode="abort")["status"] == "ok"
+    assert engine.call(Endpoint.PAUSE_GENERATION, mode="abort")["status"] == "ok"
     thread.join(60)
     reasons = [a["meta_info"]["finish_reason"]["type"] for a in result["out"]]
     assert "abort" in reasons, reasons
     assert stats(engine)["running"] == 0 and stats(engine)["paused"]
-    assert engine.call("flush_cache") is True
+    assert engine.flush_cache() is True
     assert not engine.health_generate(timeout=5)  # paused: not ready to generate
-    engine.call("continue_generation")
+    engine.call(Endpoint.CONTINUE_GENERATION)
     assert len(generate(engine, [[5, 6]])[0]["output_ids"]) == 6
-    engine.call("release_memory_occupation")
+    engine.call(Endpoint.RELEASE_MEMORY)
     assert not engine.health_generate(timeout=5)
-    engine.call("resume_memory_occupation")
+    engine.call(Endpoint.RESUME_MEMORY)
     assert engine.health_generate(timeout=30)
     assert len(generate(engine, [[5, 6]])[0]["output_ids"]) == 6
 
@@ -161,7 +162,7 @@ def make_sync(engine, vllm_python, trainer, cast_dtype=None, **over) -> WeightSy
 
 
 def assert_serves_trainer(engine, trainer, version: int) -> None:
-    assert engine.call("get_model_info")["weight_version"] == str(version)
+    assert engine.call(Endpoint.MODEL_INFO)["weight_version"] == str(version)
     prompt = [3, 4, 5, 6]
     answer = generate(engine, [prompt], sampling_seed=11)[0]
     assert answer["meta_info"]["weight_version"] == str(version)
@@ -229,7 +230,7 @@ def test_delta_through_the_workers_snapshot(engine, vllm_python, vllm_model, tmp
             if version > 1:
                 trainer.train_step()
             history.append(sync.push(version))
-            assert engine.call("get_model_info")["weight_version"] == str(version)
+            assert engine.call(Endpoint.MODEL_INFO)["weight_version"] == str(version)
             assert history[-1]["sync/probe_logprob_diff_mean"] <= 0.05  # bf16 payload, fp32 trainer
     finally:
         sync.shutdown()

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from raygym.config import Recipe
+from raygym.engine_protocol import Endpoint, GenerateRequest, WeightsChecksum
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.engine_link import HttpEngineLink
 from tests.weightsync.local_trainer import LocalTrainer
@@ -19,8 +20,8 @@ from tests.weightsync.raygym_servers import raygym_servers
 pytestmark = pytest.mark.e2e
 
 ENGINE_DTYPE = "bfloat16"
-GENERATE = {"input_ids": [5, 9, 13, 2], "sampling_params": {"max_new_tokens": 3, "temperature": 0.0,
-                                                           "ignore_eos": True}}
+GENERATE = GenerateRequest(input_ids=[5, 9, 13, 2], sampling_params={"max_new_tokens": 3, "temperature": 0.0,
+                                                                    "ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
@@ -50,23 +51,23 @@ class WatchingLink(HttpEngineLink):
     def __init__(self, url: str, trainer: LocalTrainer):
         super().__init__(url, "engine0")
         self.trainer = trainer
-        self.calls: list[str] = []
+        self.calls: list[Endpoint] = []
         self.before_switch: list[dict[str, Any]] = []
         self.served_before: tuple[str, dict[str, str]] | None = None
         self.tamper_next_shadow_checksums = False
 
-    def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
+    def call(self, endpoint: Endpoint, body: Any, timeout: float) -> Any:
         self.calls.append(endpoint)
-        if endpoint == "raygym/shadow_switch":
-            out = super().call("generate", GENERATE, timeout)
+        if endpoint is Endpoint.RAYGYM_SHADOW_SWITCH:
+            out = super().call(Endpoint.GENERATE, GENERATE, timeout)
             version, checksums = served(self.base_url)
-            shadow = super().call("raygym/weights_checksum", {"names": None, "shadow": True}, timeout)
+            shadow = super().call(Endpoint.RAYGYM_WEIGHTS_CHECKSUM, WeightsChecksum(names=None, shadow=True), timeout)
             self.before_switch.append({"generated": out, "version": version, "checksums": checksums,
                                        "shadow": shadow})
-        if endpoint == "raygym/shadow_discard":
+        if endpoint is Endpoint.RAYGYM_SHADOW_DISCARD:
             self.served_before = served(self.base_url)
-        answer = super().call(endpoint, payload, timeout, method)
-        if endpoint == "raygym/weights_checksum" and payload.get("shadow") and self.tamper_next_shadow_checksums:
+        answer = super().call(endpoint, body, timeout)
+        if endpoint is Endpoint.RAYGYM_WEIGHTS_CHECKSUM and body.shadow and self.tamper_next_shadow_checksums:
             self.tamper_next_shadow_checksums = False
             name = next(iter(answer["checksums"]))
             answer["checksums"][name] = "0" * 16
@@ -98,7 +99,7 @@ def test_the_engine_serves_the_old_version_until_the_switch(server, tiny_model_p
             assert got_version == str(version) and {n: got[n] for n in wanted[-1]} == wanted[-1]
     finally:
         sync.shutdown()
-    assert "pause_generation" not in link.calls and "flush_cache" not in link.calls
+    assert Endpoint.PAUSE_GENERATION not in link.calls and Endpoint.FLUSH_CACHE not in link.calls
     assert [m["sync/mode"] for m in history] == [0.0, 1.0, 1.0]
     assert all(m["sync/full_resyncs"] == 0.0 and "sync/pause_s" in m for m in history)
 

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from raygym.config import Recipe
+from raygym.engine_protocol import Endpoint
 from raygym.weightsync.codec import checksum
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.engine_link import HttpEngineLink
@@ -20,7 +21,7 @@ from tests.weightsync.local_trainer import LocalTrainer
 from tests.weightsync.raygym_servers import raygym_servers
 
 HOLD_S = 20.0  # how long an answer is held waiting for the next request (a serialising sender runs into it)
-REQUEST = "update_weights_from_distributed"
+REQUEST = Endpoint.UPDATE_WEIGHTS_FROM_DISTRIBUTED
 
 
 class AnswersAfterTheNextRequest:
@@ -34,15 +35,15 @@ class AnswersAfterTheNextRequest:
         self.held: list[bool] = []  # per held answer: the next request came (True) or it gave up (False)
         self._lock = threading.Lock()
 
-    def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
-        if endpoint.strip("/") != REQUEST or not self.hold_answers:
-            return self.inner.call(endpoint, payload, timeout, method)
+    def call(self, endpoint: Endpoint, body: Any, timeout: float) -> Any:
+        if endpoint is not REQUEST or not self.hold_answers:
+            return self.inner.call(endpoint, body, timeout)
         with self._lock:
             index = len(self.posted)
             self.posted.append(threading.Event())
             if index > 0:
                 self.posted[index - 1].set()  # the request before this one may be answered now
-        answer = self.inner.call(endpoint, payload, timeout, method)
+        answer = self.inner.call(endpoint, body, timeout)
         if index < self.hold_answers - 1:
             came = self.posted[index].wait(HOLD_S)
             with self._lock:
@@ -96,12 +97,12 @@ class CountsRequests:
         with self._lock:
             return self._posted.setdefault(index, threading.Event())
 
-    def call(self, endpoint: str, payload: dict[str, Any], timeout: float, method: str = "POST") -> Any:
-        if endpoint.strip("/") == REQUEST:
+    def call(self, endpoint: Endpoint, body: Any, timeout: float) -> Any:
+        if endpoint is REQUEST:
             with self._lock:
                 index, self.count = self.count, self.count + 1
             self.posted(index).set()
-        return self.inner.call(endpoint, payload, timeout, method)
+        return self.inner.call(endpoint, body, timeout)
 
 
 def test_request_k_plus_1_travels_while_bucket_k_is_on_the_wire(tiny_model_path, monkeypatch):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from raygym.config import Recipe
+from raygym.engine_protocol import Endpoint
 from raygym.errors import WeightSyncError
 from raygym.rollout.weight_receiver import WeightReceiver
 from raygym.weightsync.codec import checksum
@@ -161,12 +162,12 @@ class CorruptingLink:
     def __init__(self, inner: HttpEngineLink, version: int):
         self.inner, self.version, self.name, self.corrupted = inner, version, inner.name, False
 
-    def call(self, endpoint, payload, timeout, method="POST"):
-        if endpoint == "update_weights_from_disk" and payload["weight_version"] == str(self.version) \
+    def call(self, endpoint, body, timeout):
+        if endpoint is Endpoint.UPDATE_WEIGHTS_FROM_DISK and body.weight_version == str(self.version) \
                 and not self.corrupted:
             self.corrupted = True
-            flip_bucket_byte(os.path.join(payload["model_path"], "shard-00000.safetensors"))
-        return self.inner.call(endpoint, payload, timeout, method)
+            flip_bucket_byte(os.path.join(body.model_path, "shard-00000.safetensors"))
+        return self.inner.call(endpoint, body, timeout)
 
 
 def flip_bucket_byte(path: str) -> None:
