@@ -10,14 +10,24 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from raygym.config import Recipe, TrainConfig
 from raygym.engine_fleet import ENGINE_START_TIMEOUT_S
 from raygym.engine_kinds import check_inflight_update, check_lora, check_weight_sync, choose_rollout_engine
 from raygym.errors import ConfigError, RaygymError
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from raygym.actor_group import ActorGroup
+    from raygym.aux_groups import AuxGroups
+    from raygym.engine_fleet import EngineFleet
+    from raygym.placement import Placement
+    from raygym.rollout.manager import RolloutManager
 
 logger = logging.getLogger(__name__)
 
@@ -84,18 +94,19 @@ def preflight_lora(recipe: Recipe, kind: str, model_path: str | None) -> list[st
 
 @dataclass
 class RunGraph:
-    """Handles of every actor of a run; ``shutdown()`` ends them all (idempotent)."""
+    """Handles of every actor of a run, all started (:func:`build_graph`); ``shutdown()`` ends them all
+    (idempotent)."""
 
     recipe: Recipe
-    placement: Any = None
-    trainers: Any = None  # raygym.actor_group.ActorGroup of TrainerActor
-    critics: Any = None  # ActorGroup of TrainerActor(role="critic") when use_critic, else None
-    engines: Any = None  # ActorGroup of EngineActor
-    manager: Any = None  # Ray actor handle of RolloutManager
-    fleet: Any = None  # raygym.engine_fleet.EngineFleet: engine lifecycle and weight sync
-    aux: Any = None  # raygym.aux_groups.AuxGroups: the judge engines and the distillation teacher
-    trainer_info: list[dict[str, Any]] = field(default_factory=list)  # what each trainer rank's init() returned
-    minted_api_key: bool = False  # build_graph put this run's engine key in the driver's environment
+    placement: Placement
+    trainers: ActorGroup  # of TrainerActor
+    critics: ActorGroup | None  # of TrainerActor(role="critic") when use_critic
+    engines: ActorGroup  # of EngineActor
+    manager: ActorHandle[RolloutManager]
+    fleet: EngineFleet  # engine lifecycle and weight sync
+    aux: AuxGroups  # the judge engines and the distillation teacher
+    trainer_info: list[dict[str, Any]]  # what each trainer rank's init() returned
+    minted_api_key: bool  # build_graph put this run's engine key in the driver's environment
     closed: bool = False
 
     @property
@@ -110,35 +121,46 @@ class RunGraph:
         if self.closed:
             return
         self.closed = True
-        import ray
+        end_run(fast, placement=self.placement, trainers=self.trainers, critics=self.critics, engines=self.engines,
+                manager=self.manager, fleet=self.fleet, aux=self.aux, minted_api_key=self.minted_api_key)
 
-        steps = (
-            ("weight sync", lambda: self.fleet and self.fleet.shutdown(fast)),
-            ("rollout manager", lambda: self.manager and ray.get(self.manager.close.remote(), timeout=30)),
-            ("engines", lambda: self.engines and ray.get(
-                [h.shutdown.remote() for h in self.engines.handles], timeout=60)),
-        )
-        for what, step in steps:
-            try:
-                step()
-            except Exception as exc:  # keep tearing down the rest
-                logger.debug("shutdown of %s failed: %s", what, exc)
-        if self.aux is not None:
-            self.aux.shutdown()
-        for group in (self.engines, self.critics, self.trainers):
-            if group is not None:
-                group.kill()
-        if self.manager is not None:
-            try:
-                ray.kill(self.manager, no_restart=True)
-            except Exception as exc:
-                logger.debug("killing the rollout manager failed: %s", exc)
-        if self.placement is not None:
-            self.placement.release()
-        if self.minted_api_key:  # the key was this run's: later runs in this process mint their own
-            from raygym.engine_auth import ENGINE_API_KEY_ENV
 
-            os.environ.pop(ENGINE_API_KEY_ENV, None)
+def end_run(fast: bool, *, placement: Placement | None = None, trainers: ActorGroup | None = None,
+            critics: ActorGroup | None = None, engines: ActorGroup | None = None,
+            manager: ActorHandle[RolloutManager] | None = None, fleet: EngineFleet | None = None,
+            aux: AuxGroups | None = None, minted_api_key: bool = False) -> None:
+    """End what a run started (None: not started): weight sync, the rollout manager, the engines' servers, the
+    auxiliary groups, every actor, the placement group, and the run's engine key when it minted it."""
+    import ray
+
+    steps: list[tuple[str, Callable[[], object]]] = []
+    if fleet is not None:
+        steps.append(("weight sync", lambda: fleet.shutdown(fast)))
+    if manager is not None:
+        steps.append(("rollout manager", lambda: ray.get(manager.close.remote(), timeout=30)))
+    if engines is not None:
+        steps.append(("engines", lambda: ray.get([h.shutdown.remote() for h in engines.handles], timeout=60)))
+    for what, step in steps:
+        try:
+            step()
+        except Exception as exc:  # keep tearing down the rest
+            logger.debug("shutdown of %s failed: %s", what, exc)
+    if aux is not None:
+        aux.shutdown()
+    for group in (engines, critics, trainers):
+        if group is not None:
+            group.kill()
+    if manager is not None:
+        try:
+            ray.kill(manager, no_restart=True)
+        except Exception as exc:
+            logger.debug("killing the rollout manager failed: %s", exc)
+    if placement is not None:
+        placement.release()
+    if minted_api_key:  # the key was this run's: later runs in this process mint their own
+        from raygym.engine_auth import ENGINE_API_KEY_ENV
+
+        os.environ.pop(ENGINE_API_KEY_ENV, None)
 
 
 def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = print) -> RunGraph:
@@ -158,24 +180,31 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
     recipe = cfg.recipe
     engine_kind = choose_rollout_engine(recipe.rollout_engine)
     lora = lora_setup(recipe, engine_kind, model_path, run_dir)
-    graph = RunGraph(recipe, minted_api_key=ENGINE_API_KEY_ENV not in os.environ)
+    minted_api_key = ENGINE_API_KEY_ENV not in os.environ
     api_key = os.environ.setdefault(ENGINE_API_KEY_ENV, new_engine_api_key())  # this run's engines require it
+    placement: Placement | None = None
+    trainers: ActorGroup | None = None
+    critics: ActorGroup | None = None
+    engines: ActorGroup | None = None
+    manager: ActorHandle[RolloutManager] | None = None
+    fleet: EngineFleet | None = None
+    aux: AuxGroups | None = None
     try:
         say(f"placement: {recipe.gpu_allocation().total_gpus} GPU bundles ...")
-        graph.placement = allocate_for_recipe(recipe).ensure_ready()
-        graph.trainers = start_trainer_group(
-            graph.placement, TrainerActor, args=(cfg,),
+        placement = allocate_for_recipe(recipe).ensure_ready()
+        trainers = start_trainer_group(
+            placement, TrainerActor, args=(cfg,),
             environment=recipe.environment, train_env_vars=recipe.train_env_vars,
         )
-        ray.get([h.use_engine_api_key.remote(api_key) for h in graph.trainers.handles])
-        init_refs = [h.init.remote() for h in graph.trainers.handles]
+        ray.get([h.use_engine_api_key.remote(api_key) for h in trainers.handles])
+        init_refs = [h.init.remote() for h in trainers.handles]
         critic_refs: list[Any] = []
         if recipe.use_critic:  # PPO's value model: its own ranks, process group and checkpoints
-            graph.critics = start_trainer_group(
-                graph.placement, TrainerActor, role="critic", args=(cfg,), kwargs={"role": "critic"},
+            critics = start_trainer_group(
+                placement, TrainerActor, role="critic", args=(cfg,), kwargs={"role": "critic"},
                 environment=recipe.environment, train_env_vars=recipe.train_env_vars,
             )
-            critic_refs = [h.init.remote() for h in graph.critics.handles]
+            critic_refs = [h.init.remote() for h in critics.handles]
         engine_kwargs = {
             "model_path": model_path,
             "backend": engine_kind,
@@ -183,36 +212,37 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
             "startup_timeout": ENGINE_START_TIMEOUT_S,
             "extra_server_args": lora.server_args if lora else [],
         }
-        graph.engines = start_engine_group(graph.placement, EngineActor, args=(recipe,), kwargs=engine_kwargs,
-                                           environment=recipe.environment)
-        ray.get([h.use_engine_api_key.remote(api_key) for h in graph.engines.handles])
-        url_refs = [h.start.remote() for h in graph.engines.handles]
-        critics = f", {len(graph.critics)} critic(s)" if graph.critics else ""
-        say(f"starting {len(graph.trainers)} trainer(s){critics} and {len(graph.engines)} {engine_kind} engine(s) ...")
-        graph.trainer_info = list(ray.get(init_refs))
+        engines = start_engine_group(placement, EngineActor, args=(recipe,), kwargs=engine_kwargs,
+                                     environment=recipe.environment)
+        ray.get([h.use_engine_api_key.remote(api_key) for h in engines.handles])
+        url_refs = [h.start.remote() for h in engines.handles]
+        critic_text = f", {len(critics)} critic(s)" if critics else ""
+        say(f"starting {len(trainers)} trainer(s){critic_text} and {len(engines)} {engine_kind} engine(s) ...")
+        trainer_info = list(ray.get(init_refs))
         ray.get(critic_refs)
         ray.get(url_refs)
-        graph.aux = start_aux_groups(recipe, run_dir, engine_kind, say)
+        aux = start_aux_groups(recipe, run_dir, engine_kind, say)
         manager_cls = ray.remote(RolloutManager)
-        graph.manager = manager_cls.options(num_cpus=0, max_concurrency=64, scheduling_strategy=driver_node()).remote(
-            cfg, graph.engines.handles, model_path, data_cache_dir=str(run_dir / "cache"),
-            **aux_manager_kwargs(recipe, graph.aux, run_dir),
-        )
-        ray.get(graph.manager.use_engine_api_key.remote(api_key))
-        spawner = EngineSpawner(graph.placement, EngineActor, (recipe,), engine_kwargs, recipe.environment, api_key)
-        graph.fleet = EngineFleet(recipe, graph.engines, graph.trainers, graph.manager,
-                                  engine_dtype=checkpoint_dtype(model_path), say=say,
-                                  adapter=(lora.adapter_config, lora.directory) if lora else None, spawner=spawner)
-        graph.fleet.connect(list(range(len(graph.engines))))
+        manager = cast("ActorHandle[RolloutManager]", manager_cls.options(  # ray types .remote() as a union
+            num_cpus=0, max_concurrency=64, scheduling_strategy=driver_node()).remote(
+            cfg, engines.handles, model_path, data_cache_dir=str(run_dir / "cache"),
+            **aux_manager_kwargs(recipe, aux, run_dir),
+        ))
+        ray.get(manager.use_engine_api_key.remote(api_key))
+        spawner = EngineSpawner(placement, EngineActor, (recipe,), engine_kwargs, recipe.environment, api_key)
+        fleet = EngineFleet(recipe, engines, trainers, manager, engine_dtype=checkpoint_dtype(model_path), say=say,
+                            adapter=(lora.adapter_config, lora.directory) if lora else None, spawner=spawner)
+        fleet.connect(list(range(len(engines))))
         if lora:  # the engines serve the trainer's adapters (identity at first, B = 0) before the first rollout
-            graph.fleet.push(0)
-            graph.fleet.publish(0)
-        call_all(graph.trainers, "get_rank")  # surfaces an init failure now, with its traceback
-        if graph.critics is not None:
-            call_all(graph.critics, "get_rank")
-        return graph
+            fleet.push(0)
+            fleet.publish(0)
+        call_all(trainers, "get_rank")  # surfaces an init failure now, with its traceback
+        if critics is not None:
+            call_all(critics, "get_rank")
+        return RunGraph(recipe, placement, trainers, critics, engines, manager, fleet, aux, trainer_info, minted_api_key)
     except BaseException:
-        graph.shutdown()
+        end_run(False, placement=placement, trainers=trainers, critics=critics, engines=engines, manager=manager,
+                fleet=fleet, aux=aux, minted_api_key=minted_api_key)
         raise
 
 

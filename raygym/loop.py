@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from raygym.config import TrainConfig
+from raygym.config import Recipe, TrainConfig
 from raygym.engine_protocol import Endpoint
 from raygym.metrics import MetricsLogger, PhaseTimer, apply_substep_timing, progress_line, write_traces
 from raygym.rollout.stream import staleness_metrics
+
+if TYPE_CHECKING:
+    from raygym.graph import RunGraph
 
 
 def _should(interval: int | None, step: int, last_step: int) -> bool:
@@ -59,7 +62,7 @@ class Colocation:
     trainers offload then engines resume their weights; after the sync, engines resume the KV cache
     (weights must be back before the push, the cache only after it). Disaggregated: nothing moves."""
 
-    def __init__(self, enabled: bool, graph: Any, events: list[str]) -> None:
+    def __init__(self, enabled: bool, graph: RunGraph, events: list[str]) -> None:
         self.enabled = enabled
         self.graph = graph
         self.events = events
@@ -157,7 +160,7 @@ class FullyAsyncSchedule(SyncSchedule):
         ray.get(self.manager.stop_stream.remote())
 
 
-def schedule_for(recipe: Any, manager: Any, last: int) -> SyncSchedule:
+def schedule_for(recipe: Recipe, manager: Any, last: int) -> SyncSchedule:
     """The schedule of ``recipe``: fully asynchronous, one step off-policy, or synchronous."""
     if recipe.fully_async:
         return FullyAsyncSchedule(manager, last, recipe.max_staleness, recipe.stale_sample_policy)
@@ -168,7 +171,7 @@ class Loop:
     """One run's loop. ``events`` (see :class:`Colocation`) and ``rows`` (one metrics row per step) are kept
     for the caller; ``checkpoints`` lists the checkpoints written."""
 
-    def __init__(self, cfg: TrainConfig, graph: Any, console: Any) -> None:
+    def __init__(self, cfg: TrainConfig, graph: RunGraph, console: Any) -> None:
         self.cfg = cfg
         self.recipe = cfg.recipe
         self.graph = graph
@@ -279,7 +282,8 @@ class Loop:
         import ray
 
         with timer.phase("eval"):
-            row = ray.get(self.graph.manager.evaluate.remote(step))
+            # an async actor method: ray's types do not see through its coroutine
+            row = cast(dict[str, Any], ray.get(self.graph.manager.evaluate.remote(step)))
             spec = self.recipe.custom_eval_rollout_log_function
             if spec:
                 samples = ray.get(self.graph.manager.eval_samples.remote())
@@ -302,6 +306,8 @@ class Loop:
                 timer, t0 = PhaseTimer(), time.perf_counter()
                 with timer.phase("rollout"):
                     samples = ray.get(pending)
+                rollout_metrics: dict[str, float]
+                data_state: dict[str, Any]
                 rollout_metrics, data_state = ray.get([manager.metrics.remote(), manager.data_state.remote()])
                 pending = schedule.after_rollout(step, self.version)
                 row = self._rollout_row(rollout_metrics, samples)

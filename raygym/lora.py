@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from raygym.errors import ConfigError
 
@@ -41,6 +41,19 @@ ADAPTER_NAME = "raygym-policy"  # the name engines serve the run's adapter under
 OUTPUT_HEADS = ("lm_head",)  # never targeted by all-linear (PEFT's rule: the output layer stays as it is)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 _TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
+
+
+class LoraFields(Protocol):
+    """The recipe fields that describe a run's adapters (a ``Recipe``, or a view that carries them)."""
+
+    @property
+    def lora_rank(self) -> int: ...
+    @property
+    def lora_alpha(self) -> int: ...
+    @property
+    def lora_dropout(self) -> float: ...
+    @property
+    def lora_target_modules(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -59,7 +72,7 @@ class LoraSpec:
         return self.alpha / self.rank
 
     @classmethod
-    def from_recipe(cls, recipe: Any) -> LoraSpec | None:
+    def from_recipe(cls, recipe: LoraFields) -> LoraSpec | None:
         """The recipe's adapters (None when ``lora_rank`` is 0: full fine-tuning)."""
         if recipe.lora_rank <= 0:
             return None

@@ -26,9 +26,6 @@ from raygym.config.recipe import Recipe
 
 V = TypeVar("V")
 
-# Every view class, in the order it was defined (filled by recipe_view as their modules are imported).
-VIEWS: list[type] = []
-
 
 def view_problems(cls: type, extras: Iterable[str] = ()) -> list[str]:
     """Why ``cls`` is not a valid view (empty when it is): not a frozen dataclass, a field with a default,
@@ -60,7 +57,6 @@ def recipe_view(*, extras: Iterable[str] = ()) -> Callable[[type[V]], type[V]]:
         if problems:
             raise TypeError("; ".join(problems))
         cls.__view_extras__ = declared  # type: ignore[attr-defined]
-        VIEWS.append(cls)
         return cls
 
     return mark

@@ -1,7 +1,7 @@
 """Every config field is implemented or refused: each one a component reads (the module named here reads
-it, from the config or from the typed view built of it), or a field raygym does not run, which a non-default
-value turns into a ConfigError with the reason. The views themselves are well formed, and no component
-reads the config by name with a default."""
+it as an attribute of the typed config or of a typed view built of it, see ``config_reads``), or a field
+raygym does not run, which a non-default value turns into a ConfigError with the reason. The views themselves
+are well formed, and no component reads the config by name with a default."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from raygym.config import DatasetConfig, MetricsConfig, ModelConfig, Recipe, load_train_config
+from raygym.config import DatasetConfig, MetricsConfig, ModelConfig, Recipe, TrainConfig, load_train_config
 from raygym.config.constants import UNSUPPORTED_MODEL_FIELDS, UNSUPPORTED_RECIPE_FIELDS
-from raygym.config.views import VIEWS, build_view, view_extras, view_problems
+from raygym.config.views import build_view, view_extras, view_problems
 from raygym.errors import ConfigError
+from tests.unit.config_reads import VIEWS, fields_read, reads_field
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"Recipe": Recipe, "ModelConfig": ModelConfig, "DatasetConfig": DatasetConfig, "MetricsConfig": MetricsConfig}
@@ -23,19 +24,19 @@ REFUSED = {"Recipe": UNSUPPORTED_RECIPE_FIELDS, "ModelConfig": UNSUPPORTED_MODEL
 # model -> field -> a module that reads it (one of possibly several)
 READ_BY = {
     "Recipe": {
-        "actor_num_nodes": "raygym/allocation.py",
-        "actor_num_gpus_per_node": "raygym/allocation.py",
-        "colocate": "raygym/layout.py",
-        "rollout_num_gpus": "raygym/allocation.py",
-        "rollout_num_gpus_per_engine": "raygym/layout.py",
+        "actor_num_nodes": "raygym/config/recipe_fields.py",
+        "actor_num_gpus_per_node": "raygym/config/recipe_fields.py",
+        "colocate": "raygym/loop.py",
+        "rollout_num_gpus": "raygym/config/recipe_fields.py",
+        "rollout_num_gpus_per_engine": "raygym/rollout/engine.py",
         "tensor_model_parallel_size": "raygym/trainer/megatron_model.py",
         "sequence_parallel": "raygym/trainer/megatron_model.py",
         "pipeline_model_parallel_size": "raygym/trainer/megatron_model.py",
         "context_parallel_size": "raygym/trainer/megatron_model.py",
         "expert_model_parallel_size": "raygym/trainer/megatron_model.py",
         "use_critic": "raygym/graph.py",
-        "critic_num_nodes": "raygym/allocation.py",
-        "critic_num_gpus_per_node": "raygym/allocation.py",
+        "critic_num_nodes": "raygym/config/recipe_fields.py",
+        "critic_num_gpus_per_node": "raygym/config/recipe_fields.py",
         "trainer_backend": "raygym/trainer/actor.py",
         "rollout_engine": "raygym/graph.py",
         "colocate_trainer_gpu_share": "raygym/placement.py",
@@ -46,7 +47,7 @@ READ_BY = {
         "max_staleness": "raygym/loop.py",
         "stale_sample_policy": "raygym/loop.py",
         "environment": "raygym/graph.py",
-        "train_env_vars": "raygym/actor_group.py",
+        "train_env_vars": "raygym/graph.py",
         "advantage_estimator": "raygym/driver.py",
         "n_samples_per_prompt": "raygym/rollout/manager.py",
         "eps_clip": "raygym/algo/rl_loss.py",
@@ -180,12 +181,12 @@ READ_BY = {
         "sglang_request_params": "raygym/rollout/manager.py",
         "rollout_engine_python": "raygym/rollout/engine.py",
         "extra_config": "raygym/config/recipe_fields.py",
-        "apply_chat_template_kwargs": "raygym/data.py",
+        "apply_chat_template_kwargs": "raygym/config/run.py",
     },
     "ModelConfig": {
         "hf_checkpoint": "raygym/driver.py",
         "ref_checkpoint": "raygym/trainer/backend.py",
-        "dtype": "raygym/trainer/torch_backend.py",
+        "dtype": "raygym/trainer/backend.py",
         "num_experts": "raygym/trainer/backend.py",
         "moe_router_topk": "raygym/trainer/backend.py",
         "num_layers": "raygym/trainer/backend.py",
@@ -197,9 +198,9 @@ READ_BY = {
         "label_key": "raygym/data.py",
         "metadata_key": "raygym/data.py",
         "apply_chat_template": "raygym/data.py",
-        "apply_chat_template_kwargs": "raygym/data.py",
+        "apply_chat_template_kwargs": "raygym/config/run.py",
         "eval_prompt_data": "raygym/data.py",
-        "format": "raygym/checkpoint.py",
+        "format": "raygym/data.py",
     },
     "MetricsConfig": {
         "wandb_project": "raygym/metrics.py",
@@ -220,8 +221,28 @@ def test_every_field_is_read_or_refused():
 
 @pytest.mark.parametrize("model, field", [(m, f) for m, fields in READ_BY.items() for f in fields])
 def test_the_named_module_reads_the_field(model, field):
-    source = (ROOT / READ_BY[model][field]).read_text()
-    assert re.search(rf"\.{field}\b|[\"']{field}[\"']", source), f"{READ_BY[model][field]} does not read {field}"
+    assert reads_field(READ_BY[model][field], MODELS[model], field), f"{READ_BY[model][field]} does not read {field}"
+
+
+def test_a_read_is_an_attribute_of_a_typed_config_not_a_name_in_a_string(tmp_path):
+    reader = tmp_path / "reader.py"
+    reader.write_text(
+        "from raygym.config import TrainConfig\n"
+        "from raygym.trainer.backend import TrainerSettings\n"
+        "MANIFEST = {'format': 'raygym-checkpoint/2'}  # a key, no read\n"
+        "def f(cfg: TrainConfig, other, settings: TrainerSettings):\n"
+        "    other.num_rollout  # an object of no known type\n"
+        "    data = cfg.dataset\n"
+        "    return data.format, cfg.recipe.seed, settings.lr, getattr(cfg.model, 'dtype')\n"
+    )
+    from raygym.trainer.backend import TrainerSettings
+
+    assert fields_read(reader) == {(TrainConfig, "dataset"), (TrainConfig, "recipe"), (TrainConfig, "model"),
+                                   (DatasetConfig, "format"), (Recipe, "seed"), (TrainerSettings, "lr")}
+    assert reads_field(str(reader), Recipe, "lr") and not reads_field(str(reader), ModelConfig, "dtype")
+    # checkpoint.py writes a manifest key named "format"; no DatasetConfig is read there
+    assert '"format"' in (ROOT / "raygym/checkpoint.py").read_text()
+    assert not reads_field("raygym/checkpoint.py", DatasetConfig, "format")
 
 
 REFUSED_VALUES = {
@@ -251,12 +272,6 @@ def test_a_refused_model_field_is_a_config_error_with_its_reason(field):
 
 
 def test_views_are_frozen_dataclasses_of_recipe_fields_without_defaults():
-    import raygym.algo.rl_loss  # noqa: F401  (each module defines its view on import)
-    import raygym.judge  # noqa: F401
-    import raygym.rollout.manager  # noqa: F401
-    import raygym.trainer.backend  # noqa: F401
-    import raygym.trainer.megatron_model  # noqa: F401
-
     names = {v.__name__ for v in VIEWS}
     assert {"TrainerSettings", "MegatronOptions", "RolloutSettings", "RLLossConfig", "JudgeSettings"} <= names
     for view in VIEWS:

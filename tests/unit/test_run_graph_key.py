@@ -7,15 +7,14 @@ import os
 
 import pytest
 
-from raygym.config import Recipe
-from raygym.graph import RunGraph
-from raygym.rollout.auth import ENGINE_API_KEY_ENV
+from raygym.engine_auth import ENGINE_API_KEY_ENV
+from raygym.graph import end_run
 
 
 @pytest.mark.parametrize("minted", [True, False])
 def test_shutdown_removes_only_a_key_the_graph_minted(monkeypatch, minted):
     monkeypatch.setenv(ENGINE_API_KEY_ENV, "the-run-key")
-    graph = RunGraph(Recipe(), minted_api_key=minted)
-    graph.shutdown()  # nothing was started: only the environment is left to tidy
+    end_run(False, minted_api_key=minted)  # what RunGraph.shutdown and a failed build_graph call
+    assert (os.environ.get(ENGINE_API_KEY_ENV) is None) == minted  # nothing was started: only the key to tidy
+    end_run(False, minted_api_key=minted)  # again: nothing to do
     assert (os.environ.get(ENGINE_API_KEY_ENV) is None) == minted
-    graph.shutdown()  # idempotent
