@@ -110,6 +110,14 @@ class EngineCapabilities:
             the update is done (the engine reports one version per answer, so each part is one answer:
             stock SGLang's in_place/retract pauses and vLLM's keep pause would continue them without saying
             which tokens came from which weights).
+        routed_experts: whether it returns the experts each token was routed to (MoE routing replay,
+            ``use_rollout_routing_replay``; :mod:`raygym.routed_experts`): ``"always"`` (raygym's server, launched
+            with ``--enable-return-routed-experts``), ``"gpu"`` (stock SGLang from 0.5.15 with the same flag; its
+            CPU backend cannot: the capture's host buffer is pinned memory, ``torch.zeros(..., pin_memory=True)``
+            in ``sglang/srt/state_capturer/base.py``, which needs a CUDA driver; checked with 0.5.15.post1, 0.5.18
+            and 0.5.23) or ``"no"`` (vLLM behind raygym's adapter: vLLM 0.32 captures them only in its Model Runner
+            V2, ``enable_return_routed_experts`` with ``VLLM_USE_V2_MODEL_RUNNER=1``, which needs Triton, so not on
+            CPU, and the adapter does not ask for them).
     """
 
     kind: str
@@ -125,6 +133,7 @@ class EngineCapabilities:
     lora_on_cpu: bool = True
     lora_replace: bool = False
     inflight_update: str = "resubmit"
+    routed_experts: str = "no"
 
 
 # Custom loaders (SGLang's convention: ``fn(model, named_tensors)``, imported by dotted path).
@@ -136,13 +145,13 @@ _CAPABILITIES = {
         kind="raygym", verification="checksum",
         full_transports=frozenset(TRANSPORTS), delta_transports=frozenset({"nccl", "disk"}),
         dist_format="raygym_bucket", delta_loader=DIRECT_LOADER, memory_release="always",
-        accepts_api_key_env=True, double_buffer=True, lora="weights", inflight_update="swap",
+        accepts_api_key_env=True, double_buffer=True, lora="weights", inflight_update="swap", routed_experts="always",
     ),
     "sglang": EngineCapabilities(
         kind="sglang", verification="probe",
         full_transports=frozenset(TRANSPORTS), delta_transports=frozenset({"disk"}),
         dist_format="flattened_bucket", delta_loader=MODEL_LOADER, memory_release="memory_saver",
-        accepts_api_key_env=False, lora_on_cpu=False,
+        accepts_api_key_env=False, lora_on_cpu=False, routed_experts="gpu",
     ),
     "vllm": EngineCapabilities(
         kind="vllm", verification="probe",
@@ -281,3 +290,32 @@ def check_lora(kind: str, *, mode: str, double_buffer: bool, cuda: bool | None =
             "or --rollout-engine raygym (its adapters take deltas)")
     if double_buffer and not caps.double_buffer:
         check_weight_sync(kind, mode="full", transport="nccl", colocate=False, double_buffer=True)
+
+
+ROUTED_EXPERTS_SGLANG = (0, 5, 15)  # the first SGLang release with --enable-return-routed-experts
+
+
+def check_routing_replay(kind: str, *, cuda: bool | None = None, version: str | None = None) -> None:
+    """Raise ConfigError when engine kind ``kind`` cannot return the routed experts routing replay needs
+    (``cuda``: whether the engines have CUDA, None = not known yet; ``version``: the engine's, when known).
+
+    >>> check_routing_replay("raygym", cuda=False)
+    >>> check_routing_replay("sglang", cuda=False)
+    Traceback (most recent call last):
+    ...
+    raygym.errors.ConfigError: use_rollout_routing_replay=True with rollout_engine='sglang' on CPU: stock SGLang returns routed experts on GPU only (its capture buffer is pinned host memory, which needs a CUDA driver); use --rollout-engine raygym, or drop --use-rollout-routing-replay
+    """
+    caps = capabilities(kind)
+    fix = "use --rollout-engine raygym, or drop --use-rollout-routing-replay"
+    if caps.routed_experts == "no":
+        raise ConfigError(
+            f"use_rollout_routing_replay=True with rollout_engine={kind!r}: raygym's vLLM adapter does not return "
+            f"routed experts (vLLM captures them only in its Model Runner V2, which needs Triton); {fix}")
+    if caps.routed_experts == "gpu" and cuda is False:
+        raise ConfigError(
+            f"use_rollout_routing_replay=True with rollout_engine={kind!r} on CPU: stock SGLang returns routed "
+            f"experts on GPU only (its capture buffer is pinned host memory, which needs a CUDA driver); {fix}")
+    if kind == "sglang" and version is not None and version_tuple(version) < ROUTED_EXPERTS_SGLANG:
+        raise ConfigError(
+            f"use_rollout_routing_replay=True with SGLang {version}: --enable-return-routed-experts arrived in "
+            "0.5.15; install sglang>=0.5.15 for the engines, or drop --use-rollout-routing-replay")

@@ -116,6 +116,12 @@ class RecipeFields(Section):
         "With use_tis, the importance ratio old/rollout per 'token', per 'sequence' (product over the sample's "
         "tokens) or 'geometric' (their geometric mean); a sample's ratio weights (or masks) all its tokens.",
     )
+    use_rollout_routing_replay: bool = option(
+        False,
+        "MoE routing replay (R3): the engines return the experts each token was routed to in every layer and both "
+        "trainer backends force them in their log-prob and training forwards (slime's and Miles' name). Engines: "
+        "raygym's server; stock SGLang >= 0.5.15 on GPU.",
+    )
     gamma: float = option(1.0, "Discount factor (PPO / GAE).")
     lambd: float = option(1.0, "GAE lambda (PPO).")
     critic_lr: float | None = option(None, "Critic learning rate; None uses lr.")

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from raygym.rollout import routing_capture
 from raygym.rollout.generation_request import (
     EngineBusy,
     EngineStats,
@@ -102,6 +103,7 @@ class GenerationEngine:
         # the model); read under the model lock at every forward pass.
         self.weight_label: Callable[[], str] = lambda: "0"
         self._forward_label = "0"  # the label of the last forward pass of the worker
+        self.routing: routing_capture.RoutingCapture | None = None  # MoE: routers' choices for requests that ask
 
     # ----- lifecycle -----
     def start(self) -> None:
@@ -334,6 +336,7 @@ class GenerationEngine:
                     current = self.weight_label()
                     if current == label:
                         logits = self._forward(tokens[:, None], mask, positions, cache)
+                        routing_capture.record(self.routing, rows, 1, prefill=False)
             except Exception as exc:  # a failed decode step: every row goes back to be re-prefilled
                 self._retract_after_failure(rows, exc)
                 return
@@ -359,7 +362,9 @@ class GenerationEngine:
             input_ids, mask, positions = self._prefill_inputs(rows)
             with self.model_lock, torch.inference_mode():
                 self._forward_label = self.weight_label()
-                return rows, self._forward(input_ids, mask, positions, cache), mask, positions, cache
+                logits = self._forward(input_ids, mask, positions, cache)
+                routing_capture.record(self.routing, rows, input_ids.shape[1], prefill=True)
+                return rows, logits, mask, positions, cache
         except Exception as exc:
             if len(rows) == 1:
                 self._finish(rows[0], {"type": "abort", "message": f"prefill failed: {type(exc).__name__}: {exc}"})

@@ -19,8 +19,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from raygym.config import Recipe
-from raygym.engine_kinds import DIRECT_LOADER, MODEL_LOADER, version_tuple
+from raygym.engine_kinds import DIRECT_LOADER, MODEL_LOADER, check_routing_replay, version_tuple
 from raygym.errors import ConfigError
+from raygym.routed_experts import SERVER_FLAG
 
 DELTA_LOADER = DIRECT_LOADER  # raygym's server applies raygym payloads by HF name
 # The SGLang releases the ``sglang`` extra allows: verl's pin, slime's image, the CPU recipe's, the latest.
@@ -182,6 +183,9 @@ def build_sglang_argv(
         raise ConfigError("sglang_config is set: write render_sglang_config() to a file and pass config_path")
     if skip_server_warmup:
         argv.append("--skip-server-warmup")
+    if recipe.use_rollout_routing_replay:  # answers carry meta_info.routed_experts when a request asks
+        check_routing_replay("sglang", cuda=device != "cpu", version=sglang_version)
+        argv.append(SERVER_FLAG)
     return argv + list(extra_args)
 
 
@@ -215,10 +219,12 @@ def build_raygym_server_argv(
     custom_weight_loaders: Sequence[str] = (),
     weight_version: str | int | None = None,
     seed: int | None = None,
+    return_routed_experts: bool = False,
     extra_args: Iterable[str] = (),
 ) -> list[str]:
     """``python -m raygym.rollout.server ...`` (the built-in server, CPU or GPU). Its API key comes from
-    the environment (``raygym.rollout.auth.ENGINE_API_KEY_ENV``), never from this command line."""
+    the environment (``raygym.rollout.auth.ENGINE_API_KEY_ENV``), never from this command line.
+    ``return_routed_experts``: MoE routing replay (the server keeps its routers' choices for requests that ask)."""
     if host == "0.0.0.0":
         raise ConfigError("host='0.0.0.0': engines bind their node IP or 127.0.0.1; pass the node IP")
     if max_running_requests < 1:
@@ -231,4 +237,6 @@ def build_raygym_server_argv(
         argv += ["--weight-version", str(weight_version)]
     if seed is not None:
         argv += ["--seed", str(seed)]
+    if return_routed_experts:
+        argv.append(SERVER_FLAG)
     return argv + list(extra_args)

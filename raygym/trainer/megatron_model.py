@@ -80,8 +80,8 @@ class MegatronOptions:
 
     @classmethod
     def from_settings(cls, settings: TrainerSettings) -> MegatronOptions:
-        """The Megatron view of the trainer's config."""
-        return cls.from_recipe(settings.recipe, settings.dtype)
+        """The Megatron view of the trainer's config (which carries the Megatron fields)."""
+        return build_view(cls, settings, params_dtype=settings.dtype)
 
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
@@ -213,9 +213,11 @@ def transformer_config(hf_config: dict[str, Any], opts: MegatronOptions, shape: 
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             moe_router_dtype="fp32",
-            moe_token_dispatcher_type="alltoall" if opts.expert_model_parallel_size > 1 else "allgather",
+            # all-to-all needs CUDA streams; CPU mode all-gathers tokens over the expert group (same maths)
+            moe_token_dispatcher_type="alltoall" if opts.expert_model_parallel_size > 1 and cuda else "allgather",
             moe_layer_freq=[1 if i in shape.moe_layers else 0 for i in range(shape.num_layers)],
             moe_grouped_gemm=False,
+            expert_tensor_parallel_size=1,  # experts split over expert-parallel ranks only (init_parallel_state)
         )
     return TransformerConfig(**kwargs)
 
@@ -301,6 +303,9 @@ def init_parallel_state(opts: MegatronOptions, *, timeout_minutes: int, seed: in
             pipeline_model_parallel_size=opts.pipeline_model_parallel_size,
             context_parallel_size=opts.context_parallel_size,
             expert_model_parallel_size=opts.expert_model_parallel_size,
+            # Whole experts per rank, as slime's Qwen3-MoE recipes (--expert-tensor-parallel-size 1); Megatron's
+            # default (= tensor_model_parallel_size) would need TP x EP x PP GPUs, more than the recipe checks ask.
+            expert_tensor_parallel_size=1,
             distributed_timeout_minutes=timeout_minutes,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -368,11 +373,13 @@ class PackedMicroBatch:
     lengths: list[int]
 
 
-def pack_samples(tokens: Sequence[torch.Tensor], multiple: int = 1, with_mask: bool = True) -> PackedMicroBatch:
-    """Concatenate ``tokens`` into one row with per-sample positions and a block-diagonal causal mask."""
+def pack_samples(tokens: Sequence[torch.Tensor], multiple: int = 1, with_mask: bool = True,
+                 length: int | None = None) -> PackedMicroBatch:
+    """Concatenate ``tokens`` into one row with per-sample positions and a block-diagonal causal mask; the row is
+    padded to a multiple of ``multiple`` and to at least ``length`` tokens."""
     lengths = [int(t.numel()) for t in tokens]
     total = sum(lengths)
-    padded = -(-max(total, 1) // multiple) * multiple
+    padded = -(-max(total, length or 1, 1) // multiple) * multiple
     ids = torch.zeros(padded, dtype=torch.int64)
     pos = torch.zeros(padded, dtype=torch.int64)
     bounds = [0]

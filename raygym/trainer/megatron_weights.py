@@ -118,9 +118,14 @@ class MegatronWeights:
                 yield from self._gathered_experts(local_name, pm, local, dtype)
                 continue
             shards = [local]
-            if pm.tp_dim is not None and tp_size > 1:
-                shards = [torch.empty_like(local) for _ in range(tp_size)]
-                dist.all_gather(shards, local.contiguous(), group=tp_group)
+            if pm.expert is not None:  # experts are split over the expert tensor-parallel group (size 1 in raygym)
+                _, split = self._tp_coordinates(is_expert=True)
+                group = ps.get_expert_tensor_parallel_group()
+            else:
+                split, group = tp_size, tp_group
+            if pm.tp_dim is not None and split > 1:
+                shards = [torch.empty_like(local) for _ in range(split)]
+                dist.all_gather(shards, local.contiguous(), group=group)
             for hf_name, tensor in megatron_to_hf(pm, shards, self.shape):
                 yield hf_name, tensor.to("cpu", dtype or tensor.dtype, copy=True)  # never alias live params
 
