@@ -44,6 +44,50 @@ def _place(total: int, per_engine: int, recipe: Recipe, what: str) -> Any:
                     name=what).ensure_ready()
 
 
+JUDGE_LABEL_TOKENS = 256  # room for the label the template may quote, beside the prompt and the response
+
+
+def judge_engine_recipe(recipe: Recipe, engine_kind: str) -> Recipe:
+    """The recipe the judge's engines start from: their GPUs, a batch of judge prompts at once, and on vLLM (which
+    holds a context of fixed length) room for the longest judge prompt (the template around the longest prompt,
+    response and label) and the judge's answer.
+
+    >>> from raygym.config import Recipe
+    >>> from raygym.rollout.vllm_args import max_model_len
+    >>> judge = judge_engine_recipe(Recipe(rollout_max_prompt_len=64, rollout_max_response_len=32,
+    ...                                    judge_prompt_template="{prompt} {response} {label}?", eval_interval=None),
+    ...                             "vllm")
+    >>> max_model_len(judge) == 64 + 32 + len("{prompt} {response} {label}?") + JUDGE_LABEL_TOKENS + 16
+    True
+    """
+    settings = recipe.replace(rollout_num_gpus_per_engine=recipe.judge_num_gpus_per_engine,
+                              sglang_max_running_requests=max(64, recipe.judge_batch_size))
+    if engine_kind != "vllm":
+        return settings
+    response = max(recipe.rollout_max_response_len, recipe.eval_max_response_len if recipe.eval_interval else 0)
+    prompt = ((recipe.rollout_max_prompt_len or 1024) + response + len(recipe.judge_prompt_template)
+              + JUDGE_LABEL_TOKENS)
+    return settings.replace(rollout_max_prompt_len=prompt, rollout_max_response_len=recipe.judge_max_response_len,
+                            eval_interval=None)
+
+
+def preflight_judge(recipe: Recipe, engine_kind: str, cache_dir: Path) -> None:
+    """Before Ray starts: the judge model runs on the judge's engine kind here (on a machine without CUDA, vLLM's
+    CPU attention takes its head size). ConfigError names the fix."""
+    if not recipe.judge_hf_checkpoint or engine_kind != "vllm":
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from raygym.builtin import resolve_model_path
+    from raygym.rollout.vllm_args import check_cpu_head_dim, checkpoint_head_dim
+
+    path = resolve_model_path(recipe.judge_hf_checkpoint, cache_dir)
+    check_cpu_head_dim(checkpoint_head_dim(path), recipe.judge_hf_checkpoint,
+                       "judge_hf_checkpoint with rollout_engine='vllm'")
+
+
 @dataclass
 class AuxGroups:
     """Handles of the judge and teacher groups (None when the recipe has none); ``shutdown()`` ends them."""
@@ -86,8 +130,7 @@ def start_aux_groups(recipe: Recipe, run_dir: Path, engine_kind: str, say: Any =
                                recipe.judge_num_gpus_per_engine, recipe, "raygym-judge")
             groups.placements.append(placement)
             judge_path = resolve_model_path(recipe.judge_hf_checkpoint, run_dir / "cache")
-            settings = recipe.replace(rollout_num_gpus_per_engine=recipe.judge_num_gpus_per_engine,
-                                      sglang_max_running_requests=max(64, recipe.judge_batch_size))
+            settings = judge_engine_recipe(recipe, engine_kind)
             groups.judge_engines = start_engine_group(
                 placement, EngineActor, args=(settings,),
                 kwargs={"model_path": judge_path, "backend": engine_kind, "log_dir": str(run_dir / "logs" / "judge")},

@@ -178,7 +178,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     facts = preflight(cfg)  # data, rewards, model path, writable directories: ConfigError before Ray
     import ray
 
+    from raygym.aux_groups import preflight_judge
     from raygym.builtin import resolve_model_path
+    from raygym.engine_kinds import choose_rollout_engine
     from raygym.graph import (
         build_graph,
         config_error_of,
@@ -191,6 +193,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     model_path = resolve_model_path(cfg.model.hf_checkpoint, run_dir / "cache", seed=0)
     preflight_engine(recipe, model_path)  # the engine can run the model here and take the configured weight sync
+    preflight_judge(recipe, choose_rollout_engine(recipe.rollout_engine), run_dir / "cache")  # and the judge's
     if not os.environ.get("RAY_ADDRESS"):  # the trainers run here: their backend must be installed here
         from raygym.config import megatron_installed
 

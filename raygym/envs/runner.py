@@ -28,11 +28,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from raygym.engine_protocol import GenerateResponse
 from raygym.envs.base import Environment, Step
 from raygym.errors import RaygymError
 from raygym.types import Sample
 
-Generate = Callable[[list[int], dict[str, Any]], Awaitable[dict[str, Any]]]
+Generate = Callable[[list[int], dict[str, Any]], Awaitable[GenerateResponse]]
 ENV_CALL_TIMEOUT_S = 300.0  # one reset or step; past it the episode counts as an environment error
 
 
@@ -58,25 +59,16 @@ async def call_env(fn: Callable[..., Any], *args: Any, timeout: float, what: str
         raise EnvCallError(f"{what} raised {type(exc).__name__}: {exc}") from exc
 
 
-def _finish(meta: dict[str, Any]) -> tuple[str, Any]:
-    reason = meta.get("finish_reason")
-    if isinstance(reason, dict):
-        return str(reason.get("type") or ""), reason.get("matched")
-    return str(reason or ""), None
+def engine_output(response: GenerateResponse) -> tuple[list[int], list[float]]:
+    """The ids and log-probs of one ``/generate`` answer, exactly as the engine sampled them (0.0 each when the
+    answer carries none)."""
+    ids, logprobs = response.tokens_and_logprobs()
+    return ids, logprobs or [0.0] * len(ids)
 
 
-def engine_output(response: dict[str, Any]) -> tuple[list[int], list[float]]:
-    """The ids and log-probs of one ``/generate`` answer, exactly as the engine sampled them."""
-    entries = (response.get("meta_info") or {}).get("output_token_logprobs")
-    if entries:
-        return [int(e[1]) for e in entries], [float(e[0]) for e in entries]
-    ids = [int(t) for t in response.get("output_ids") or []]
-    return ids, [0.0] * len(ids)
-
-
-def finish_reason(response: dict[str, Any]) -> str:
+def finish_reason(response: GenerateResponse) -> str:
     """The ``finish_reason`` type of one ``/generate`` answer (``stop``, ``length``, ``abort``)."""
-    return _finish(response.get("meta_info") or {})[0]
+    return response.finish_type
 
 
 @dataclass

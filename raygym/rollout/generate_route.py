@@ -4,7 +4,8 @@ adapter (:mod:`raygym.rollout.vllm_server`).
 A :class:`~raygym.engine_protocol.GenerateRequest` is read into one :class:`SampleJob` per sample
 (:func:`read_generate`: prompts as token ids, SGLang's one-value-or-one-per-prompt fields, ``n`` samples per
 prompt); each server runs its jobs its own way and reports each as an async iterator of answers so far
-(:func:`sample_answer`: SGLang's ``text``, ``output_ids``, ``meta_info``); :func:`respond` answers with the
+(:func:`sample_answer`: a :class:`~raygym.engine_protocol.GenerateResponse`, so both servers answer in the
+protocol's own model); :func:`respond` answers with the
 last of each (one object for one prompt and sample, else a list), or, with ``stream: true``, streams every
 update as a server-sent event (``index`` = the sample's place in the answer) and ends with ``data: [DONE]``
 (:mod:`raygym.engine_protocol` describes the form).
@@ -28,10 +29,10 @@ from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 
-from raygym.engine_protocol import STREAM_DONE, GenerateRequest, stream_frame
+from raygym.engine_protocol import STREAM_DONE, GenerateRequest, GenerateResponse, stream_frame
 
 P = TypeVar("P")
-Answer = dict[str, Any]
+Answer = GenerateResponse
 
 
 class GenerateError(ValueError):
@@ -149,7 +150,7 @@ def sample_answer(job: SampleJob[Any], *, text: str, output_ids: Sequence[int], 
                   prompt_logprobs: Sequence[float | None] | None = None,
                   prompt_texts: Sequence[str | None] | None = None, output_versions: Sequence[str] | None = None,
                   cached_tokens: int = 0, latency_s: float = 0.0, extra_meta: dict[str, Any] | None = None) -> Answer:
-    """One sample's answer in SGLang's form (:class:`raygym.engine_protocol.GenerateResponse`); ``finish`` None:
+    """One sample's answer (:class:`raygym.engine_protocol.GenerateResponse`, SGLang's form); ``finish`` None:
     the sample so far, in a stream.
 
     ``output_logprobs``: the generated tokens' log-probs, reported when the job asked for them;
@@ -180,7 +181,14 @@ def sample_answer(job: SampleJob[Any], *, text: str, output_ids: Sequence[int], 
             meta["input_token_logprobs"] = [[prompt_logprobs[i], job.prompt[i], names[i]]
                                             for i in range(min(job.logprob_start, len(job.prompt)), len(job.prompt))]
     meta.update(extra_meta or {})
-    return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+    return GenerateResponse.model_validate({"text": text, "output_ids": list(output_ids), "meta_info": meta})
+
+
+def answer_json(answer: Answer, index: int | None = None) -> bytes:
+    """The JSON of an answer as sent: the fields it was given (``index``: its row, in a stream)."""
+    if index is not None:
+        answer = answer.model_copy(update={"index": index})
+    return answer.model_dump_json(exclude_unset=True).encode()
 
 
 def visible_text(text: str, stops: Sequence[str]) -> str:
@@ -213,8 +221,9 @@ async def respond(request: web.Request, call: GenerateCall[Any], updates: list[A
                   ) -> web.StreamResponse:
     """Answer ``call`` from each job's updates: the final answers as JSON, or every update as it comes."""
     if not call.stream:
-        answers = await asyncio.gather(*(last(u) for u in updates))
-        return web.json_response(answers[0] if call.single and len(answers) == 1 else answers)
+        answers = [answer_json(a) for a in await asyncio.gather(*(last(u) for u in updates))]
+        body = answers[0] if call.single and len(answers) == 1 else b"[" + b",".join(answers) + b"]"
+        return web.Response(body=body, content_type="application/json")
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(request)
     queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
@@ -223,7 +232,7 @@ async def respond(request: web.Request, call: GenerateCall[Any], updates: list[A
     async def pump(job: SampleJob[Any], stream: AsyncIterator[Answer]) -> None:
         try:
             async for answer in stream:
-                queue.put_nowait(json.dumps({**answer, "index": job.index} if indexed else answer).encode())
+                queue.put_nowait(answer_json(answer, job.index if indexed else None))
         except Exception as exc:  # the sample failed: the stream says so and ends
             queue.put_nowait(exc)
         finally:
@@ -252,5 +261,5 @@ async def respond(request: web.Request, call: GenerateCall[Any], updates: list[A
     return response
 
 
-__all__ = ["GenerateCall", "GenerateError", "SampleJob", "last", "per_item", "prompt_batch", "read_generate",
-           "respond", "sample_answer", "visible_text"]
+__all__ = ["GenerateCall", "GenerateError", "SampleJob", "answer_json", "last", "per_item", "prompt_batch",
+           "read_generate", "respond", "sample_answer", "visible_text"]

@@ -23,10 +23,11 @@ Hooks (callables or ``"pkg.mod:fn"`` import paths, sync or async):
 
 - ``custom_generate_function(args, sample, sampling_params, generate) -> Sample`` replaces one
   sample's generation (multi-turn, tools). ``args`` is the ``TrainConfig``; ``sample`` arrives with
-  its prompt fields set; ``generate(input_ids: list[int], sampling_params: dict) -> dict`` is an
-  async function that sends one routed (and, with fault tolerance, retried) ``/generate`` request
-  and returns the engine's JSON answer (``text``, ``output_ids``, ``meta_info`` with
-  ``output_token_logprobs`` and ``finish_reason``). The function returns the sample with
+  its prompt fields set; ``generate(input_ids: list[int], sampling_params: dict) -> GenerateResponse`` is
+  an async function that sends one routed (and, with fault tolerance, retried) ``/generate`` request and
+  returns the engine's answer (:class:`raygym.engine_protocol.GenerateResponse`: ``text``, ``output_ids``,
+  ``meta_info`` with ``output_token_logprobs`` and ``finish_reason``; its fields read as attributes or
+  as the JSON reads, ``answer["meta_info"]["finish_reason"]["type"]``). The function returns the sample with
   ``response_tokens``, ``response_text``, ``rollout_log_probs`` and ``loss_mask`` (one entry per
   response token: 1 = policy token, 0 = tool/user token) and ``finish_reason`` filled.
 - ``rollout_function(args, rollout_id, manager) -> list[Sample]`` replaces the whole step; it may
@@ -373,8 +374,8 @@ class RolloutManager:
             engine, response = await self._send(sample.prompt_tokens, params, trace)
             self._fill(sample, response, engine)
         else:
-            async def generate(input_ids: list[int], sampling_params: dict[str, Any]) -> dict[str, Any]:
-                return (await self._send(input_ids, sampling_params, trace))[1].model_dump()  # SGLang's JSON
+            async def generate(input_ids: list[int], sampling_params: dict[str, Any]) -> GenerateResponse:
+                return (await self._send(input_ids, sampling_params, trace))[1]
 
             result = await _maybe_await(self._custom_generate(self.cfg, sample, dict(params), generate))
             if not isinstance(result, Sample):

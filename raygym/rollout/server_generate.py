@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from raygym.engine_protocol import GenerateRequest
+from raygym.engine_protocol import GenerateRequest, GenerateResponse
 from raygym.rollout.generate_route import (
     GenerateCall,
     GenerateError,
@@ -140,7 +140,7 @@ class GenerateRoute:
                              f"(--max-queued-requests {self.limits.max_queued_requests})")
 
     async def _updates(self, call: GenerateCall[SamplingParams], job: SampleJob[SamplingParams], r: GenerationRequest,
-                       wake: Wakeup, started: float) -> AsyncIterator[dict[str, Any]]:
+                       wake: Wakeup, started: float) -> AsyncIterator[GenerateResponse]:
         """The sample so far at every wake-up (streams only; the first update holds the first token alone, sent as
         soon as it exists, later ones all tokens decoded by then), then its answer; a consumer that stops early
         (the client went away) cancels the request."""
@@ -162,7 +162,7 @@ class GenerateRoute:
             if not r.done:  # free its slot within a decode step
                 self.engine.cancel([r], "the client disconnected")
 
-    def _partial(self, job: SampleJob[SamplingParams], r: GenerationRequest, count: int) -> dict[str, Any]:
+    def _partial(self, job: SampleJob[SamplingParams], r: GenerationRequest, count: int) -> GenerateResponse:
         """The first ``count`` tokens (at most those whose version is recorded, appended last of the three)."""
         count = min(count, len(r.output_versions))
         ids = r.output_ids[:count]
@@ -171,7 +171,7 @@ class GenerateRoute:
                              output_logprobs=r.output_logprobs[:count], output_versions=r.output_versions[:count])
 
     async def _final(self, job: SampleJob[SamplingParams], r: GenerationRequest, with_text: bool,
-                     latency: float) -> dict[str, Any]:
+                     latency: float) -> GenerateResponse:
         extra: dict[str, Any] = {}
         prompt_logprobs = None
         if job.logprob and job.logprob_start >= 0:

@@ -112,7 +112,7 @@ def guard_middleware(api_key: str | None, state_changing: frozenset[str]) -> Any
     @web.middleware
     async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
-        if api_key and not request.path.startswith("/health") and not authorized(
+        if api_key and not request.path.startswith(Endpoint.HEALTH.value) and not authorized(
                 request.headers.get("Authorization"), api_key):
             return error_response("unauthorized: send the engine's API key as 'Authorization: Bearer <key>'", 401)
         if request.path in state_changing:

@@ -15,7 +15,11 @@ length covers the longest prompt and response the run asks for (the adapter clam
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 from raygym.config import Recipe
 from raygym.errors import ConfigError
@@ -56,8 +60,9 @@ def build_vllm_argv(recipe: Recipe, *, model_path: str, host: str, port: int, py
     return argv + list(extra_args)
 
 
-def check_cpu_head_dim(head_dim: int | None, model_path: str) -> None:
-    """ConfigError when vLLM's CPU attention cannot run a model of this head size.
+def check_cpu_head_dim(head_dim: int | None, model_path: str, what: str = "rollout_engine='vllm'") -> None:
+    """ConfigError when vLLM's CPU attention cannot run a model of this head size (``what``: the setting that
+    asks vLLM to run it).
 
     >>> check_cpu_head_dim(16, "builtin:tiny-qwen3")
     Traceback (most recent call last):
@@ -66,7 +71,62 @@ def check_cpu_head_dim(head_dim: int | None, model_path: str) -> None:
     """
     if head_dim is not None and head_dim not in CPU_HEAD_SIZES:
         raise ConfigError(
-            f"rollout_engine='vllm' on CPU: the model at {model_path} has head_dim={head_dim}, and vLLM's CPU "
+            f"{what} on CPU: the model at {model_path} has head_dim={head_dim}, and vLLM's CPU "
             f"attention runs head sizes {CPU_HEAD_SIZES} only; use such a model (for the builtin one: "
             "raygym.builtin.materialize_model('builtin:tiny-qwen3', DIR, head_dim=32), then --hf-checkpoint "
             "DIR/...) or another engine")
+
+
+def checkpoint_head_dim(model_path: str) -> int | None:
+    """The attention head size of the HF checkpoint at ``model_path`` (``head_dim``, else hidden size over heads);
+    None when there is no local ``config.json`` (a Hub id: vLLM reads it itself).
+
+    >>> checkpoint_head_dim("/nowhere") is None
+    True
+    """
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    text = config.get("text_config") or config
+    heads = text.get("num_attention_heads")
+    derived = text.get("hidden_size", 0) // heads if isinstance(heads, int) and heads else None
+    return text.get("head_dim") or derived
+
+
+def model_facts(model_path: str) -> dict[str, Any]:
+    """What the adapter reads from a HF checkpoint's ``config.json``: vocab size, context length and the
+    bytes one token's KV cache takes (per TP rank of 1)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    text = config.get("text_config") or config
+    heads = text.get("num_attention_heads", 1)
+    head_dim = text.get("head_dim") or text.get("hidden_size", 0) // max(1, heads)
+    kv_heads = text.get("num_key_value_heads") or heads
+    dtype = str(text.get("dtype") or text.get("torch_dtype") or "bfloat16")
+    itemsize = 4 if "32" in dtype else 2
+    return {"vocab_size": int(text["vocab_size"]), "max_position_embeddings": text.get("max_position_embeddings"),
+            "dtype": dtype,
+            "head_dim": head_dim, "kv_bytes_per_token": 2 * text.get("num_hidden_layers", 1) * kv_heads * head_dim
+            * itemsize}
+
+
+def cpu_dtype(requested: str, checkpoint_dtype: str, cpu_flags: str) -> str:
+    """The dtype vLLM runs on CPU. ``auto`` keeps a float32 checkpoint in float32 on CPUs without bf16 matrix
+    instructions (vLLM's own ``auto`` picks bf16 there, which such CPUs emulate: 64 prompts x 64 tokens of a
+    10M model ran 4x slower than in float32 on a 2-core AVX2 machine); otherwise vLLM decides.
+
+    >>> cpu_dtype("auto", "float32", "avx2 fma"), cpu_dtype("auto", "float32", "avx512_bf16 amx_bf16")
+    ('float32', 'auto')
+    """
+    if requested == "auto" and checkpoint_dtype == "float32" and not {"avx512_bf16", "amx_bf16"} & set(cpu_flags.split()):
+        return "float32"
+    return requested
+
+
+def cpu_kv_cache_gib(kv_bytes_per_token: int, max_num_seqs: int, max_model_len: int) -> int:
+    """GiB for ``VLLM_CPU_KVCACHE_SPACE``: every sequence at full length, between 1 and 64 GiB.
+
+    >>> cpu_kv_cache_gib(1024, 128, 256)
+    1
+    """
+    return max(1, min(64, math.ceil(kv_bytes_per_token * max_num_seqs * max_model_len / 2**30)))

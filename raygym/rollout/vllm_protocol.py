@@ -1,13 +1,13 @@
 """SGLang's ``/generate`` in vLLM's terms and back (pure: no vLLM, no torch).
 
 raygym's adapter for vLLM (:mod:`raygym.rollout.vllm_server`) receives the engine protocol's requests
-(:mod:`raygym.rollout.protocol`) and runs them on vLLM's engine; this module holds the translations, so
-they are tested without vLLM installed:
+(:mod:`raygym.engine_protocol`, read and answered by :mod:`raygym.rollout.generate_route` as on raygym's own
+server) and runs them on vLLM's engine; this module holds the translations, so they are tested without vLLM
+installed:
 
 - :func:`sampling_kwargs`: an SGLang ``sampling_params`` dict -> keyword arguments of
   ``vllm.SamplingParams`` (and how many samples, SGLang's ``n``, to run as separate requests);
-- :func:`finish_reason`: vLLM's ``finish_reason``/``stop_reason`` -> SGLang's ``finish_reason`` object;
-- :func:`generate_answer`: one sample's SGLang answer (``text``, ``output_ids``, ``meta_info``).
+- :func:`finish_reason`: vLLM's ``finish_reason``/``stop_reason`` -> SGLang's ``finish_reason`` object.
 
 Log-probs: the adapter runs vLLM with ``logprobs_mode="processed_logprobs"``, i.e. ``log_softmax(logits /
 temperature)`` of the sampled token (raw logits at temperature 0): what raygym's trainer reproduces. With
@@ -113,38 +113,6 @@ def _check(kwargs: dict[str, Any], n: int) -> None:
         raise ValueError(f"sampling_params.n={n}: must be >= 1")
 
 
-def per_item(value: Any, count: int, name: str, kind: type, default: Any) -> list[Any]:
-    """SGLang's batch convention: one value for every prompt, or a list with one per prompt.
-
-    >>> per_item(None, 2, "rid", str, None), per_item(True, 2, "return_logprob", bool, False)
-    ([None, None], [True, True])
-    """
-    if value is None:
-        return [default] * count
-    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
-        return [value] * count
-    if isinstance(value, list) and len(value) == count and all(isinstance(v, kind) for v in value):
-        return list(value)
-    raise ValueError(f"{name}: must be one {kind.__name__} or a list of {count} of them (one per prompt)")
-
-
-def prompt_batch(input_ids: Any, vocab_size: int) -> tuple[list[list[int]], bool]:
-    """``(prompts, single)`` from ``input_ids`` (a list of ints, or a list of such lists); ValueError when a
-    prompt is empty or holds an id outside the vocabulary.
-
-    >>> prompt_batch([3, 4], 50), prompt_batch([[3], [4, 5]], 50)
-    (([[3, 4]], True), ([[3], [4, 5]], False))
-    """
-    single = not input_ids or not isinstance(input_ids[0], list)
-    batch = [input_ids] if single else input_ids
-    for row in batch:
-        if not row:
-            raise ValueError("'input_ids' must be a non-empty list of ints or a list of such lists")
-        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in row):
-            raise ValueError(f"'input_ids' must hold ints in [0, {vocab_size}) (the model's vocab_size)")
-    return batch, single
-
-
 def finish_reason(reason: str | None, stop_reason: int | str | None, *, eos_token_id: int | None,
                   completion_tokens: int, message: str = "") -> dict[str, Any]:
     """SGLang's ``finish_reason`` from vLLM's ``finish_reason`` and ``stop_reason``.
@@ -164,32 +132,3 @@ def finish_reason(reason: str | None, stop_reason: int | str | None, *, eos_toke
     if reason == "stop":
         return {"type": "stop", "matched": eos_token_id if stop_reason is None else stop_reason}
     return {"type": "abort", "message": message or f"finished without a result ({reason})"}
-
-
-def generate_answer(*, rid: str, prompt_ids: list[int], output_ids: list[int], text: str,
-                    finish: dict[str, Any], weight_version: str, output_logprobs: list[float] | None,
-                    prompt_logprobs: list[float | None] | None = None, logprob_start_len: int = -1,
-                    cached_tokens: int = 0, latency_s: float = 0.0) -> dict[str, Any]:
-    """One sample's answer in SGLang's form (:class:`raygym.rollout.protocol.GenerateResponse`).
-
-    ``output_logprobs``: the sampled tokens' log-probs (None: not asked for); ``prompt_logprobs``: vLLM's per
-    prompt token log-probs (the first is None), reported from ``logprob_start_len`` on.
-
-    >>> a = generate_answer(rid="r", prompt_ids=[3, 4], output_ids=[5], text="x", finish={"type": "length"},
-    ...                     weight_version="2", output_logprobs=[-0.5])
-    >>> a["meta_info"]["output_token_logprobs"], a["meta_info"]["input_token_logprobs"]
-    ([[-0.5, 5, None]], [])
-    """
-    meta: dict[str, Any] = {
-        "id": rid, "finish_reason": finish, "prompt_tokens": len(prompt_ids), "completion_tokens": len(output_ids),
-        "cached_tokens": cached_tokens, "weight_version": weight_version, "e2e_latency": latency_s,
-    }
-    if output_logprobs is not None:
-        if len(output_logprobs) != len(output_ids):
-            raise ValueError(f"{len(output_logprobs)} log-probs for {len(output_ids)} output tokens")
-        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(output_logprobs, output_ids, strict=True)]
-        meta["input_token_logprobs"] = []
-        if prompt_logprobs is not None and logprob_start_len >= 0:
-            meta["input_token_logprobs"] = [[prompt_logprobs[i], prompt_ids[i], None]
-                                            for i in range(min(logprob_start_len, len(prompt_ids)), len(prompt_ids))]
-    return {"text": text, "output_ids": list(output_ids), "meta_info": meta}

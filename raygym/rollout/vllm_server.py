@@ -12,7 +12,9 @@ ids in, token ids and per-token log-probs out, pause/flush/abort, weight routes)
 embed its engine is ``AsyncLLM``, which this process runs (vLLM spawns its engine-core and worker processes
 from here). Routes map onto vLLM's engine as follows:
 
-- ``/generate`` -> ``AsyncLLM.generate`` per sample (:mod:`raygym.rollout.vllm_protocol` translates);
+- ``/generate`` -> ``AsyncLLM.generate`` per sample (read and answered by :mod:`raygym.rollout.generate_route`,
+  as on raygym's server; :mod:`raygym.rollout.vllm_protocol` translates the sampling parameters; ``stream: true``
+  sends vLLM's cumulative outputs as they come);
 - ``/pause_generation`` -> ``pause_generation`` (abort -> "abort", in_place -> "keep", retract -> "keep" plus
   a prefix-cache reset that preempts running requests, so they are recomputed after the update);
   ``/continue_generation`` -> ``resume_generation``; ``/flush_cache`` -> ``reset_prefix_cache`` (400 while
@@ -39,13 +41,13 @@ import argparse
 import asyncio
 import json
 import logging
-import math
 import os
 import signal
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,15 @@ from aiohttp import web
 from raygym.rollout import protocol
 from raygym.rollout import vllm_protocol as vp
 from raygym.rollout.auth import engine_api_key
-from raygym.rollout.protocol import STATE_CHANGING, Endpoint
+from raygym.rollout.generate_route import (
+    GenerateError,
+    SampleJob,
+    last,
+    read_generate,
+    respond,
+    sample_answer,
+)
+from raygym.rollout.protocol import STATE_CHANGING, Endpoint, GenerateResponse
 from raygym.rollout.server_http import (
     BadRequest,
     guard_middleware,
@@ -66,6 +76,7 @@ from raygym.rollout.server_http import (
     result_response,
     server_info_body,
 )
+from raygym.rollout.vllm_args import cpu_dtype, cpu_kv_cache_gib, model_facts
 
 log = logging.getLogger("raygym.rollout.vllm_server")
 
@@ -126,83 +137,76 @@ class VllmAdapter:
 
     # ----- generation -----
     @handles_errors
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         req = await parse(request, protocol.GenerateRequest)
-        if req.stream:
-            raise BadRequest("stream=true is not supported by raygym's vLLM adapter; send stream=false")
-        if (req.input_ids is None) == (req.text is None):
-            raise BadRequest("send exactly one of 'input_ids' (token ids) or 'text'")
-        if req.text is not None:
-            texts = [req.text] if isinstance(req.text, str) else req.text
-            tokenizer = self.llm.get_tokenizer()
-            prompts, single = [tokenizer.encode(t) for t in texts], isinstance(req.text, str)
-        else:
-            prompts, single = vp.prompt_batch(req.input_ids, self.vocab_size)
-        count = len(prompts)
-        params = [vp.sampling_kwargs(p) for p in vp.per_item(req.sampling_params, count, "sampling_params", dict, {})]
-        rids = vp.per_item(req.rid, count, "rid", str, None)
-        want_logprob = vp.per_item(req.return_logprob, count, "return_logprob", bool, False)
-        starts = vp.per_item(req.logprob_start_len, count, "logprob_start_len", int, -1)
-        names = req.lora_path if isinstance(req.lora_path, list) else [req.lora_path] * count
+        encode = self.llm.get_tokenizer().encode if req.text is not None else None
         try:
-            adapters = [self.lora.request_for(name) for name in names]
+            call = read_generate(req, vocab_size=self.vocab_size, encode=encode, parse_params=vp.sampling_kwargs)
+        except GenerateError as exc:
+            raise BadRequest(str(exc)) from None
+        if any(job.routed_experts for job in call.jobs):
+            raise BadRequest("return_routed_experts: raygym's vLLM adapter does not report routed experts")
+        try:
+            adapters = [self.lora.request_for(job.lora_path) for job in call.jobs]
         except KeyError as exc:
             raise BadRequest(f"lora_path={exc.args[0]!r}: no such adapter is loaded (loaded: "
                              f"{sorted(self.lora.requests)}); load it with /load_lora_adapter") from None
-        if len(adapters) != count:
-            raise BadRequest(f"lora_path: {len(adapters)} entries for {count} prompts")
-        jobs = []
-        for ids, (kwargs, n), rid, lp, start, adapter in zip(prompts, params, rids, want_logprob, starts, adapters,
-                                                               strict=True):
-            rid = rid or uuid.uuid4().hex
-            for k in range(n):
-                jobs.append(self._sample(rid, f"{rid}-{k}" if n > 1 else rid, ids, kwargs, lp, start, adapter))
-        outputs = await asyncio.gather(*jobs)
-        return web.json_response(outputs[0] if single and len(outputs) == 1 else outputs)
+        return await respond(request, call, [self._updates(job, adapter, call.stream)
+                                             for job, adapter in zip(call.jobs, adapters, strict=True)])
 
-    async def _sample(self, rid: str, request_id: str, ids: list[int], kwargs: dict[str, Any], logprob: bool,
-                      start: int, adapter: Any = None) -> dict[str, Any]:
+    async def _updates(self, job: SampleJob[dict[str, Any]], adapter: Any, stream: bool
+                       ) -> AsyncIterator[GenerateResponse]:
+        """One sample on vLLM's engine: with ``stream``, the sample so far at each of vLLM's outputs (cumulative),
+        then its answer."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(**kwargs, logprobs=0 if logprob else None,
-                                prompt_logprobs=0 if logprob and start >= 0 else None,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+        request_id = f"{job.rid}-{job.sample}" if job.samples > 1 else job.rid
+        params = SamplingParams(**job.params, logprobs=0 if job.logprob else None,
+                                prompt_logprobs=0 if job.logprob and job.logprob_start >= 0 else None,
+                                output_kind=RequestOutputKind.CUMULATIVE if stream else RequestOutputKind.FINAL_ONLY)
         started = time.monotonic()
-        self._rids.setdefault(rid, set()).add(request_id)
+        self._rids.setdefault(job.rid, set()).add(request_id)
         final = None
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(ids)), params, request_id=request_id,
-                                               lora_request=adapter):
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(job.prompt)), params,
+                                               request_id=request_id, lora_request=adapter):
                 final = out
+                if stream and not out.finished and out.outputs:
+                    yield self._answer(job, out, started, finished=False)
         finally:
-            ids_of_rid = self._rids.get(rid)
+            ids_of_rid = self._rids.get(job.rid)
             if ids_of_rid is not None:
                 ids_of_rid.discard(request_id)
                 if not ids_of_rid:
-                    del self._rids[rid]
+                    del self._rids[job.rid]
         if final is None or not final.outputs:
-            return vp.generate_answer(rid=rid, prompt_ids=ids, output_ids=[], text="", weight_version=self.weight_version,
-                                      finish=vp.finish_reason("abort", None, eos_token_id=None, completion_tokens=0,
-                                                              message="aborted"),
-                                      output_logprobs=[] if logprob else None, latency_s=time.monotonic() - started)
-        comp = final.outputs[0]
+            yield sample_answer(job, text="", output_ids=[], weight_version=self.weight_version,
+                                finish=vp.finish_reason("abort", None, eos_token_id=None, completion_tokens=0,
+                                                        message="aborted"),
+                                output_logprobs=[], latency_s=time.monotonic() - started)
+            return
+        yield self._answer(job, final, started, finished=True)
+
+    def _answer(self, job: SampleJob[dict[str, Any]], out: Any, started: float, *, finished: bool
+                ) -> GenerateResponse:
+        """SGLang's answer from one of vLLM's ``RequestOutput``s (the sample so far unless ``finished``)."""
+        comp = out.outputs[0]
         tokens = list(comp.token_ids)
         out_lp = [float(step[tok].logprob) for step, tok in zip(comp.logprobs or [], tokens, strict=False)] \
-            if logprob else None
+            if job.logprob else None
         if out_lp is not None and len(out_lp) != len(tokens):
             raise RuntimeError(f"vLLM returned {len(out_lp)} log-probs for {len(tokens)} tokens")
         prompt_lp = None
-        if final.prompt_logprobs is not None:
+        if finished and out.prompt_logprobs is not None:
             prompt_lp = [None if step is None else float(step[tok].logprob)
-                         for step, tok in zip(final.prompt_logprobs, ids, strict=True)]
+                         for step, tok in zip(out.prompt_logprobs, job.prompt, strict=True)]
         finish = vp.finish_reason(comp.finish_reason, comp.stop_reason, eos_token_id=self.eos_token_id,
-                                  completion_tokens=len(tokens), message="aborted")
-        return vp.generate_answer(rid=rid, prompt_ids=ids, output_ids=tokens, text=comp.text, finish=finish,
-                                  weight_version=self.weight_version, output_logprobs=out_lp, prompt_logprobs=prompt_lp,
-                                  logprob_start_len=start, cached_tokens=int(final.num_cached_tokens or 0),
-                                  latency_s=time.monotonic() - started)
+                                  completion_tokens=len(tokens), message="aborted") if finished else None
+        return sample_answer(job, text=comp.text, output_ids=tokens, finish=finish, weight_version=self.weight_version,
+                             output_logprobs=out_lp, prompt_logprobs=prompt_lp,
+                             cached_tokens=int(out.num_cached_tokens or 0), latency_s=time.monotonic() - started)
 
     # ----- health and info -----
     async def health(self, request: web.Request) -> web.Response:
@@ -212,14 +216,13 @@ class VllmAdapter:
         """One greedy token through the model; 503 when paused, asleep, released or stuck."""
         if self.llm.errored or self.released or await self.llm.is_paused() or await self.llm.is_sleeping():
             return web.Response(status=503, text="generation is paused or memory is released\n")
-        rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+        job = SampleJob(0, f"HEALTH_CHECK_{uuid.uuid4().hex}", 0, 1, [0],
+                        {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}, False, -1, None, False)
         try:
-            answer = await asyncio.wait_for(self._sample(rid, rid, [0], {"max_tokens": 1, "temperature": 0.0,
-                                                                         "ignore_eos": True}, False, -1),
-                                            HEALTH_GENERATE_TIMEOUT_S)
+            answer = await asyncio.wait_for(last(self._updates(job, None, False)), HEALTH_GENERATE_TIMEOUT_S)
         except (asyncio.TimeoutError, RuntimeError):
             return web.Response(status=503)
-        return web.Response(status=200 if answer["meta_info"]["finish_reason"]["type"] != "abort" else 503)
+        return web.Response(status=200 if answer.finish_type != "abort" else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
         import vllm
@@ -492,44 +495,6 @@ def _why(exc: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------- start-up
-
-
-def model_facts(model_path: str) -> dict[str, Any]:
-    """What the adapter reads from a HF checkpoint's ``config.json``: vocab size, context length and the
-    bytes one token's KV cache takes (per TP rank of 1)."""
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    text = config.get("text_config") or config
-    heads = text.get("num_attention_heads", 1)
-    head_dim = text.get("head_dim") or text.get("hidden_size", 0) // max(1, heads)
-    kv_heads = text.get("num_key_value_heads") or heads
-    dtype = str(text.get("dtype") or text.get("torch_dtype") or "bfloat16")
-    itemsize = 4 if "32" in dtype else 2
-    return {"vocab_size": int(text["vocab_size"]), "max_position_embeddings": text.get("max_position_embeddings"),
-            "dtype": dtype,
-            "head_dim": head_dim, "kv_bytes_per_token": 2 * text.get("num_hidden_layers", 1) * kv_heads * head_dim
-            * itemsize}
-
-
-def cpu_dtype(requested: str, checkpoint_dtype: str, cpu_flags: str) -> str:
-    """The dtype vLLM runs on CPU. ``auto`` keeps a float32 checkpoint in float32 on CPUs without bf16 matrix
-    instructions (vLLM's own ``auto`` picks bf16 there, which such CPUs emulate: 64 prompts x 64 tokens of a
-    10M model ran 4x slower than in float32 on a 2-core AVX2 machine); otherwise vLLM decides.
-
-    >>> cpu_dtype("auto", "float32", "avx2 fma"), cpu_dtype("auto", "float32", "avx512_bf16 amx_bf16")
-    ('float32', 'auto')
-    """
-    if requested == "auto" and checkpoint_dtype == "float32" and not {"avx512_bf16", "amx_bf16"} & set(cpu_flags.split()):
-        return "float32"
-    return requested
-
-
-def cpu_kv_cache_gib(kv_bytes_per_token: int, max_num_seqs: int, max_model_len: int) -> int:
-    """GiB for ``VLLM_CPU_KVCACHE_SPACE``: every sequence at full length, between 1 and 64 GiB.
-
-    >>> cpu_kv_cache_gib(1024, 128, 256)
-    1
-    """
-    return max(1, min(64, math.ceil(kv_bytes_per_token * max_num_seqs * max_model_len / 2**30)))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

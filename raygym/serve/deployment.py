@@ -212,27 +212,14 @@ def preflight_engine_here(settings: ServeSettings) -> str:
 
     from raygym.engine_kinds import choose_rollout_engine
     from raygym.engine_python import check_engine_python
-    from raygym.rollout.vllm_args import check_cpu_head_dim
+    from raygym.rollout.vllm_args import check_cpu_head_dim, checkpoint_head_dim
 
     kind = choose_rollout_engine(settings.engine)
     if kind in ("sglang", "vllm"):
         check_engine_python(kind, settings.engine_settings.get("rollout_engine_python"))
     if kind == "vllm" and not torch.cuda.is_available():
-        config = _model_config(settings.model_dir)
-        check_cpu_head_dim(config.get("head_dim") or _derived_head_dim(config), settings.model_dir)
+        check_cpu_head_dim(checkpoint_head_dim(settings.model_dir), settings.model_dir, "raygym serve --engine vllm")
     return kind
-
-
-def _model_config(model_dir: str) -> dict[str, Any]:
-    try:
-        return dict(json.loads((Path(model_dir) / "config.json").read_text()))
-    except (OSError, ValueError):
-        return {}
-
-
-def _derived_head_dim(config: dict[str, Any]) -> int | None:
-    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
 
 
 class OpenAIReplica:

@@ -162,9 +162,18 @@ def test_serve_answers_the_openai_client_and_refuses_without_the_key(runs):
         chunks = list(stream)
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
         assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
-        text = "".join(c.choices[0].text for c in client.completions.create(
-            model=model, prompt="next:3=", max_tokens=4, n=2, seed=11, stream=True) if c.choices)
-        assert text == "".join(c.text for c in first.choices)
+        streamed: dict[int, str] = {}  # the choices' chunks interleave as the engine generates them together
+        for chunk in client.completions.create(model=model, prompt="next:3=", max_tokens=4, n=2, seed=11, stream=True):
+            for part in chunk.choices:
+                streamed[part.index] = streamed.get(part.index, "") + part.text
+        assert [streamed[i] for i in sorted(streamed)] == [c.text for c in first.choices]
+        # a multi-token answer streams as it is generated: its first token arrives alone, the rest after it
+        seed = next(s for s in range(50) if len(client.completions.create(
+            model=model, prompt="next:5=", max_tokens=6, seed=s, temperature=1.0).choices[0].text) >= 3)
+        whole = client.completions.create(model=model, prompt="next:5=", max_tokens=6, seed=seed, temperature=1.0)
+        parts = [c.choices[0].text for c in client.completions.create(
+            model=model, prompt="next:5=", max_tokens=6, seed=seed, temperature=1.0, stream=True) if c.choices]
+        assert len([p for p in parts if p]) > 1 and "".join(parts) == whole.choices[0].text
 
         with pytest.raises(openai.AuthenticationError) as refused:
             openai.OpenAI(base_url=base, api_key="not-the-key", max_retries=0).models.list()

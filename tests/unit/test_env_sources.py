@@ -14,6 +14,7 @@ from raygym import TrainConfig
 from raygym.builtin import build_tokenizer
 from raygym.config import load_train_config
 from raygym.data_prepare import PrepareOptions, prepare_dataset
+from raygym.engine_protocol import GenerateResponse
 from raygym.envs import Environment, EpisodeRunner, Step
 from raygym.envs.chat_tokens import ChatTokens
 from raygym.envs.openenv_env import action_field, observation_text
@@ -49,8 +50,11 @@ class ScriptedEngine:
         out = [self.tok.convert_tokens_to_ids(ch) for ch in text] + [self.tok.eos_token_id]
         self.sent.append(list(ids))
         self.returned.append(out)
-        return {"meta_info": {"output_token_logprobs": [[-0.1 * (i + 1), t, None] for i, t in enumerate(out)],
-                              "finish_reason": {"type": "stop"}}}
+        return GenerateResponse.model_validate({
+            "text": text, "output_ids": out, "meta_info": {
+                "id": f"turn{len(self.sent)}", "prompt_tokens": len(ids), "completion_tokens": len(out),
+                "output_token_logprobs": [[-0.1 * (i + 1), t, None] for i, t in enumerate(out)],
+                "finish_reason": {"type": "stop", "matched": self.tok.eos_token_id}}})
 
 
 def model_tokens(sample):

@@ -8,15 +8,10 @@ import pytest
 from raygym.config import Recipe
 from raygym.errors import ConfigError
 from raygym.rollout.capabilities import capabilities, check_weight_sync, weight_update_session
+from raygym.rollout.generate_route import SampleJob, per_item, prompt_batch, sample_answer
 from raygym.rollout.protocol import GenerateResponse
 from raygym.rollout.vllm_args import build_vllm_argv, check_cpu_head_dim, max_model_len
-from raygym.rollout.vllm_protocol import (
-    finish_reason,
-    generate_answer,
-    per_item,
-    prompt_batch,
-    sampling_kwargs,
-)
+from raygym.rollout.vllm_protocol import finish_reason, sampling_kwargs
 
 
 def test_sampling_params_map_to_vllm_names():
@@ -63,20 +58,20 @@ def test_batches_and_per_item_values():
 
 def test_answers_validate_as_the_protocol_says():
     eos = finish_reason("stop", None, eos_token_id=1, completion_tokens=2)
-    answer = generate_answer(rid="r1", prompt_ids=[3, 4, 5], output_ids=[7, 1], text="x", finish=eos,
-                             weight_version="4", output_logprobs=[-0.25, -1.5],
-                             prompt_logprobs=[None, -2.0, -3.0], logprob_start_len=1)
+    job = SampleJob(0, "r1", 0, 1, [3, 4, 5], {}, True, 1, None, False)
+    answer = sample_answer(job, text="x", output_ids=[7, 1], finish=eos, weight_version="4",
+                           output_logprobs=[-0.25, -1.5], prompt_logprobs=[None, -2.0, -3.0])
     parsed = GenerateResponse.model_validate(answer)
     assert parsed.meta_info.finish_reason.type == "stop" and parsed.meta_info.finish_reason.matched == 1
     assert parsed.meta_info.output_token_logprobs == [[-0.25, 7, None], [-1.5, 1, None]]
     assert parsed.meta_info.input_token_logprobs == [[-2.0, 4, None], [-3.0, 5, None]]
     assert parsed.meta_info.weight_version == "4" and parsed.meta_info.completion_tokens == 2
-    without = generate_answer(rid="r", prompt_ids=[3], output_ids=[4], text="", finish=eos, weight_version="0",
-                              output_logprobs=None)
+    unasked = SampleJob(0, "r", 0, 1, [3], {}, False, -1, None, False)
+    without = sample_answer(unasked, text="", output_ids=[4], finish=eos, weight_version="0")
     assert "output_token_logprobs" not in without["meta_info"]
     with pytest.raises(ValueError, match="log-probs"):
-        generate_answer(rid="r", prompt_ids=[3], output_ids=[4, 5], text="", finish=eos, weight_version="0",
-                        output_logprobs=[-1.0])
+        sample_answer(SampleJob(0, "r", 0, 1, [3], {}, True, -1, None, False), text="", output_ids=[4, 5],
+                      finish=eos, weight_version="0", output_logprobs=[-1.0])
     assert finish_reason("stop", 9, eos_token_id=1, completion_tokens=1) == {"type": "stop", "matched": 9}
     assert finish_reason(None, None, eos_token_id=1, completion_tokens=0)["type"] == "abort"
 
