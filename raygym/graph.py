@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Protocol
 
 from raygym.callables import IMPORT_PATH
 from raygym.config.base import (
@@ -307,7 +308,27 @@ def check_lora(r: RecipeFields) -> None:
 LORA_SETTINGS = ("lora_alpha", "lora_dropout", "lora_target_modules")
 
 
-def model_parallel_requests(r: RecipeFields) -> list[str]:
+class ParallelLayout(Protocol):
+    """What the trainer backend choice depends on: a Recipe, or the trainer's view of one
+    (``raygym.trainer.backend.TrainerSettings``)."""
+
+    @property
+    def trainer_backend(self) -> str: ...
+    @property
+    def tensor_model_parallel_size(self) -> int: ...
+    @property
+    def sequence_parallel(self) -> bool: ...
+    @property
+    def pipeline_model_parallel_size(self) -> int: ...
+    @property
+    def context_parallel_size(self) -> int: ...
+    @property
+    def expert_model_parallel_size(self) -> int: ...
+    @property
+    def lora_rank(self) -> int: ...
+
+
+def model_parallel_requests(r: ParallelLayout) -> list[str]:
     """``field=value`` of every model-parallel setting this recipe asks for (sizes > 1,
     ``sequence_parallel``): only the Megatron trainer backend runs them.
     """
@@ -323,7 +344,7 @@ def model_parallel_requests(r: RecipeFields) -> list[str]:
     return requests
 
 
-def check_trainer_backend(r: RecipeFields, *, megatron_installed: bool | None = None) -> str | None:
+def check_trainer_backend(r: ParallelLayout, *, megatron_installed: bool | None = None) -> str | None:
     """ConfigError when no trainer backend can run this recipe; otherwise the backend it will run on
     (``None``: ``trainer_backend="auto"`` without model parallelism, decided on the trainer's machine).
 

@@ -67,9 +67,10 @@ def view_extras(cls: type) -> frozenset[str]:
     return cls.__view_extras__  # type: ignore[attr-defined,no-any-return]
 
 
-def build_view(cls: type[V], recipe: Recipe, /, **extras: Any) -> V:
+def build_view(cls: type[V], recipe: Recipe | object, /, **extras: Any) -> V:
     """The view ``cls`` of ``recipe``: every field from the same-named Recipe field, the declared extras
-    from ``extras`` (all of them, nothing else)."""
+    from ``extras`` (all of them, nothing else). ``recipe`` may also be a view that carries those fields (a
+    narrower view built from a wider one, e.g. the Megatron options from the trainer's settings)."""
     declared = view_extras(cls)
     if set(extras) != declared:
         raise TypeError(

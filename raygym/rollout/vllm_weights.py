@@ -44,9 +44,9 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from raygym.errors import WeightSyncError
+from raygym.rollout.weight_receiver import destroy_group
 from raygym.weightsync.codec import dtype_from_name
 from raygym.weightsync.loader import HostSnapshot
-from raygym.rollout.weight_receiver import destroy_group
 from raygym.weightsync.tensor_pickle import loads_named_tensors
 from raygym.weightsync.transport_dist import join_group, receive_flattened, receive_tensors
 

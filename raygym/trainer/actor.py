@@ -18,6 +18,7 @@ from raygym.trainer.backend import TrainerBackend, TrainerSettings
 
 if TYPE_CHECKING:
     from raygym.config.run import TrainConfig
+    from raygym.trainer.batch import TrainBatch
     from raygym.trainer.contract import LogProbResult
 
 BACKENDS = ("auto", "torch", "megatron")
@@ -42,7 +43,7 @@ class PackedBatch:
     values: dict[str, Any]
 
     @classmethod
-    def pack(cls, batch: Any) -> PackedBatch:
+    def pack(cls, batch: TrainBatch) -> PackedBatch:
         import torch
 
         columns: dict[str, tuple[Any, list[int]]] = {}
@@ -55,7 +56,7 @@ class PackedBatch:
                 values[f.name] = value
         return cls(columns, values)
 
-    def unpack(self) -> Any:
+    def unpack(self) -> TrainBatch:
         """The ``TrainBatch`` again; its per-sample tensors are views into one buffer per field."""
         import torch
 
@@ -77,7 +78,7 @@ def load_checkpoint_extra(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
-def unpacked(batch: Any) -> Any:
+def unpacked(batch: TrainBatch | PackedBatch) -> TrainBatch:
     return batch.unpack() if isinstance(batch, PackedBatch) else batch
 
 
@@ -101,15 +102,15 @@ def choose_backend(name: str, model_parallel: bool = False) -> str:
 def make_backend(name: str, settings: TrainerSettings, role: str) -> TrainerBackend:
     """The backend of ``role`` (``recipe.check_trainer_backend`` first: never a silent switch to torch)."""
     from raygym.config import megatron_installed
+    from raygym.config.recipe_checks import check_trainer_backend, model_parallel_requests
 
-    recipe = settings.recipe
     if role == "critic":
         name = "torch"  # the PPO critic exists on the torch backend only (also beside a Megatron policy)
     model_parallel = False
     if role != "critic":
-        if recipe.check_trainer_backend(megatron_installed=megatron_installed()) == "torch":
+        if check_trainer_backend(settings, megatron_installed=megatron_installed()) == "torch":
             name = "torch"  # e.g. LoRA, which only the torch backend trains, under trainer_backend="auto"
-        model_parallel = bool(recipe.model_parallel_requests())
+        model_parallel = bool(model_parallel_requests(settings))
     if choose_backend(name, model_parallel=model_parallel) == "megatron":
         try:
             from raygym.trainer.megatron_backend import MegatronBackend
@@ -167,15 +168,15 @@ class TrainerActor:
     def get_rank(self) -> int:
         return self.backend.rank if self.backend is not None else 0
 
-    def compute_log_probs(self, batch: Any, rollout_id: int = -1) -> LogProbResult:
+    def compute_log_probs(self, batch: TrainBatch | PackedBatch, rollout_id: int = -1) -> LogProbResult:
         """``batch``: a ``TrainBatch`` or its :class:`PackedBatch` (what the driver sends)."""
         return self._live.compute_log_probs(unpacked(batch), rollout_id)
 
-    def train_step(self, batch: Any, rollout_id: int) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch | PackedBatch, rollout_id: int) -> dict[str, float]:
         """``batch``: a ``TrainBatch`` or its :class:`PackedBatch` (what the driver sends)."""
         return self._live.train_step(unpacked(batch), rollout_id)
 
-    def compute_values(self, batch: Any, rollout_id: int = -1) -> LogProbResult:
+    def compute_values(self, batch: TrainBatch | PackedBatch, rollout_id: int = -1) -> LogProbResult:
         """Critic only: ``{"values": [one 1-D float32 tensor per sample, one value per response token]}``
         for the whole batch (every rank returns all of it), ready for ``batch.with_log_probs(...)``."""
         if self.role != "critic":

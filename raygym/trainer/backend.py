@@ -31,7 +31,8 @@ backend (``megatron_backend.py``) implement this contract:
 - ``model_path``: the local HF directory of the policy's initial weights (config and tokenizer files).
 
 Hooks ``custom_megatron_before_log_prob_hook`` / ``custom_megatron_before_train_step_hook`` (callable or
-import path ``pkg.mod:fn``) are called as ``hook(args, rollout_id, batch)`` where ``args`` is the recipe,
+import path ``pkg.mod:fn``) are called as ``hook(args, rollout_id, batch)`` where ``args`` is the recipe
+(``TrainerSettings.hook_recipe``, set only when a hook is; nothing else in a trainer reads the recipe),
 ``rollout_id`` the step (-1 when unknown) and
 ``batch`` the whole ``TrainBatch``; a hook that returns a ``TrainBatch`` replaces the batch.
 """
@@ -45,6 +46,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from raygym.algo.rl_loss import RLLossConfig
 from raygym.callables import load_callable
 from raygym.config.base import CustomFunction
 from raygym.config.recipe import Recipe
@@ -54,9 +56,11 @@ from raygym.trainer.contract import CheckpointState, LogProbResult
 
 if TYPE_CHECKING:
     from raygym.config.run import TrainConfig
+    from raygym.trainer.batch import TrainBatch
 
 
-@recipe_view(extras=("hf_checkpoint", "ref_load", "dtype", "declared_architecture", "recipe"))
+@recipe_view(extras=("hf_checkpoint", "ref_load", "dtype", "declared_architecture", "loss", "engine_threads",
+                     "hook_recipe"))
 @dataclass(frozen=True)
 class TrainerSettings:
     """What a trainer backend reads: the Recipe's fields under their own names, plus the extras below.
@@ -69,7 +73,9 @@ class TrainerSettings:
     ref_load: str  # the reference model: recipe.ref_load, else model.ref_checkpoint ('' = the initial weights)
     dtype: str  # model.dtype: the compute dtype
     declared_architecture: dict[str, int]  # model.num_layers / hidden_size / num_experts / moe_router_topk set
-    recipe: Recipe = field(repr=False, compare=False)  # what the hooks receive as ``args``
+    loss: RLLossConfig  # the loss view of the recipe (raygym.algo.rl_loss)
+    engine_threads: int  # CPU threads of engines decoding while this trainer trains (0 unless async, not colocated)
+    hook_recipe: Recipe | None = field(repr=False, compare=False)  # a custom_megatron_* hook's first argument
     # optimizer
     lr: float
     min_lr: float
@@ -102,6 +108,18 @@ class TrainerSettings:
     rollout_temperature: float
     # model and process group
     trainer_backend: str
+    tensor_model_parallel_size: int
+    sequence_parallel: bool
+    pipeline_model_parallel_size: int
+    context_parallel_size: int
+    expert_model_parallel_size: int
+    recompute_granularity: str  # the Megatron backend's (raygym.trainer.megatron_model.MegatronOptions)
+    recompute_method: str
+    recompute_num_layers: int
+    qkv_format: str
+    attention_softmax_in_fp32: bool
+    accumulate_allreduce_grads_in_fp32: bool
+    use_distributed_optimizer: bool
     freeze_params_name_list: list[str] | None
     lora_rank: int  # > 0: train LoRA adapters (raygym.trainer.lora) instead of every weight
     lora_alpha: int
@@ -133,10 +151,15 @@ class TrainerSettings:
         recipe, model = cfg.recipe, cfg.model
         shape = {"num_layers": model.num_layers, "hidden_size": model.hidden_size,
                  "num_experts": model.num_experts, "moe_router_topk": model.moe_router_topk}
+        # In async_mode (not colocated) every raygym CPU server decodes on its one thread while the trainer trains
+        # (raygym.rollout.server --num-threads); a synchronous step leaves the engines idle.
+        engine_threads = recipe.gpu_allocation().rollout_engines if recipe.async_mode and not recipe.colocate else 0
+        hooked = recipe.custom_megatron_before_log_prob_hook or recipe.custom_megatron_before_train_step_hook
         return build_view(
             cls, recipe, hf_checkpoint=model.hf_checkpoint, ref_load=recipe.ref_load or model.ref_checkpoint or "",
             dtype=model.dtype, declared_architecture={k: v for k, v in shape.items() if v is not None},
-            recipe=recipe,
+            loss=RLLossConfig.from_recipe(recipe), engine_threads=engine_threads,
+            hook_recipe=recipe if hooked else None,
         )
 
     @property
@@ -164,7 +187,7 @@ def call_hook(settings: TrainerSettings, field_name: str, rollout_id: int, batch
     hook = load_callable(hooks[field_name], field_name)
     if hook is None:
         return batch
-    result = hook(settings.recipe, rollout_id, batch)
+    result = hook(settings.hook_recipe, rollout_id, batch)
     return batch if result is None else result
 
 
@@ -249,10 +272,10 @@ class TrainerBackend(ABC):
     def init(self) -> dict[str, Any]: ...
 
     @abstractmethod
-    def compute_log_probs(self, batch: Any, rollout_id: int = -1) -> LogProbResult: ...
+    def compute_log_probs(self, batch: TrainBatch, rollout_id: int = -1) -> LogProbResult: ...
 
     @abstractmethod
-    def train_step(self, batch: Any, rollout_id: int) -> dict[str, float]: ...
+    def train_step(self, batch: TrainBatch, rollout_id: int) -> dict[str, float]: ...
 
     @abstractmethod
     def iter_hf_weights(self, dtype: Any = None) -> Iterator[tuple[str, Any]]: ...

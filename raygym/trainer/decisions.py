@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from raygym.config.recipe import Recipe
 from raygym.errors import ConfigError
 from raygym.trainer.backend import TrainerSettings
 
@@ -16,7 +15,7 @@ def reuses_current_log_probs(s: TrainerSettings) -> bool:
     (ratio 1) — provided nothing else needs them before training: no KL loss or reward KL (reference
     pass), no TIS, no PPO critic, no log-prob hook.
 
-    >>> from raygym.config import ModelConfig, TrainConfig
+    >>> from raygym.config import ModelConfig, Recipe, TrainConfig
     >>> def settings(**fields):
     ...     cfg = TrainConfig(recipe=Recipe(actor_num_gpus_per_node=1, **fields), model=ModelConfig(hf_checkpoint="m"))
     ...     return TrainerSettings.from_config(cfg)
@@ -49,15 +48,6 @@ def cpu_training_threads(cores: int, local_ranks: int, busy_cores: int = 0) -> i
     (1, 6)
     """
     return max(1, (cores - busy_cores) // max(1, local_ranks))
-
-
-def overlapping_engine_threads(recipe: Recipe | None) -> int:
-    """CPU threads of the engines that decode while this trainer trains: in ``async_mode`` (not
-    colocated) every raygym CPU server's one thread (``raygym.rollout.server --num-threads`` default);
-    otherwise 0, as the engines are idle during a synchronous train step."""
-    if recipe is None or not recipe.async_mode or recipe.colocate:
-        return 0
-    return recipe.gpu_allocation().rollout_engines
 
 
 def compute_dtype(dtype: str, *, cuda: bool) -> torch.dtype:

@@ -32,7 +32,7 @@ import torch
 
 from raygym.algo import pack_micro_batches
 from raygym.algo.batching import contiguous_shard, fixed_micro_batches, optimizer_step_slices
-from raygym.algo.rl_loss import RLLossConfig, rl_loss
+from raygym.algo.rl_loss import rl_loss
 from raygym.errors import ConfigError, RaygymError
 from raygym.trainer.backend import (
     TrainerBackend,
@@ -91,7 +91,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         self.facts: dict[str, int] = {}
         self.device = torch.device("cpu")  # set in init(), after this rank picked its GPU
         self.use_te = False
-        self.loss_config = RLLossConfig.from_recipe(settings.recipe)
+        self.loss_config = settings.loss
         self.single_pass = False
         self.frozen: list[str] = []
         self._offloaded = False
@@ -154,10 +154,10 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         }
 
     def _set_cpu_threads(self) -> None:
-        from raygym.trainer.decisions import cpu_training_threads, overlapping_engine_threads
+        from raygym.trainer.decisions import cpu_training_threads
 
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        busy = overlapping_engine_threads(self.settings.recipe)
+        busy = self.settings.engine_threads
         torch.set_num_threads(cpu_training_threads(len(os.sched_getaffinity(0)), local_ranks, busy))
 
     def _wrap_for_training(self, model: Any) -> Any:

@@ -42,7 +42,7 @@ from raygym.algo.batching import (
 )
 from raygym.algo.losses import entropy_from_logits
 from raygym.algo.mismatch import MismatchTally
-from raygym.algo.rl_loss import RLLossConfig, rl_loss
+from raygym.algo.rl_loss import rl_loss
 from raygym.builtin import resolve_model_path
 from raygym.errors import ConfigError
 from raygym.lora import LoraSpec
@@ -61,7 +61,6 @@ from raygym.trainer.decisions import (
     compute_dtype,
     cpu_training_threads,
     has_active_dropout,
-    overlapping_engine_threads,
     reuses_current_log_probs,
 )
 from raygym.trainer.optim import LrSchedule, build_optimizer, split_frozen
@@ -125,7 +124,7 @@ class TorchBackend(TrainerBackend):
         self.offloaded = False
         self.single_pass = False  # train_step may use its own detached log-probs as the old ones
         self._mismatch = MismatchTally()  # engine vs own log-probs, tallied by a single-pass train_step
-        self.loss_config = RLLossConfig.from_recipe(settings.recipe)
+        self.loss_config = settings.loss
         self.lora = LoraSpec.from_recipe(settings) if self.ROLE == "actor" else None
         self.lora_targets: list[str] = []  # module paths that carry adapters
         self.reference_is_base = False  # the KL reference is this model with its adapters off
@@ -147,7 +146,7 @@ class TorchBackend(TrainerBackend):
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
             if s.use_critic:
                 local_ranks *= 2  # the policy's and the critic's ranks train at the same time
-            busy = overlapping_engine_threads(self.settings.recipe)
+            busy = s.engine_threads
             torch.set_num_threads(cpu_training_threads(len(os.sched_getaffinity(0)), local_ranks, busy))
         if self.world_size > 1 and not dist.is_initialized():
             dist.init_process_group(
