@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from raygym import Recipe
+from raygym import ModelConfig, Recipe, TrainConfig
 from raygym.presets import tiny
-from raygym.trainer.decisions import cpu_training_threads, overlapping_engine_threads
+from raygym.trainer.backend import TrainerSettings
+from raygym.trainer.decisions import cpu_training_threads
 
 
 def test_trainer_threads_share_the_node_and_leave_busy_cores():
@@ -17,10 +18,11 @@ def test_trainer_threads_share_the_node_and_leave_busy_cores():
 
 
 def test_only_async_engines_overlap_training():
-    assert overlapping_engine_threads(None) == 0
-    def recipe(**fields):
-        return Recipe(**{**tiny().model_dump(), "actor_num_gpus_per_node": 2, **fields})
+    def engine_threads(**fields):
+        recipe = Recipe(**{**tiny().model_dump(), "actor_num_gpus_per_node": 2, **fields})
+        return TrainerSettings.from_config(TrainConfig(recipe=recipe, model=ModelConfig(hf_checkpoint="m"))).engine_threads
 
-    assert overlapping_engine_threads(recipe(rollout_num_gpus=2)) == 0  # sync: engines idle while training
-    assert overlapping_engine_threads(recipe(rollout_num_gpus=2, async_mode=True)) == 2
-    assert overlapping_engine_threads(recipe(rollout_num_gpus=4, rollout_num_gpus_per_engine=2, async_mode=True)) == 2
+    assert engine_threads(colocate=True) == 0  # colocated: the engines are released while the trainer trains
+    assert engine_threads(rollout_num_gpus=2) == 0  # sync: engines idle while training
+    assert engine_threads(rollout_num_gpus=2, async_mode=True) == 2
+    assert engine_threads(rollout_num_gpus=4, rollout_num_gpus_per_engine=2, async_mode=True) == 2
