@@ -17,8 +17,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 from raygym.config import Recipe, TrainConfig
 from raygym.engine_fleet import ENGINE_START_TIMEOUT_S
-from raygym.engine_kinds import check_inflight_update, check_lora, check_weight_sync, choose_rollout_engine
+from raygym.engine_kinds import (
+    check_inflight_update,
+    check_lora,
+    check_routing_replay,
+    check_weight_sync,
+    choose_rollout_engine,
+)
 from raygym.errors import ConfigError, RaygymError
+from raygym.routed_experts import require_moe
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -46,6 +53,12 @@ def preflight_engine(recipe: Recipe, model_path: str | None = None) -> str:
         check_inflight_update(kind, pause_mode=recipe.update_weight_pause_mode)
     if recipe.lora_rank > 0:  # before the engine's own probes: what LoRA needs is cheap to check and says more
         preflight_lora(recipe, kind, model_path)
+    if recipe.use_rollout_routing_replay:
+        import torch
+
+        check_routing_replay(kind, cuda=torch.cuda.is_available())
+        if model_path:
+            require_moe(checkpoint_config(model_path), model_path)
     if kind == "sglang":
         python = recipe.rollout_engine_python or sys.executable
         probe = subprocess.run([python, "-c", "import sglang"], capture_output=True, text=True, timeout=600,

@@ -29,7 +29,7 @@ from raygym.config.constants import (
 )
 from raygym.config.recipe_fields import OPTIONAL_FIELDS, RecipeFields
 from raygym.config.sections import ModelConfig
-from raygym.engine_kinds import check_inflight_update, check_weight_sync
+from raygym.engine_kinds import check_inflight_update, check_routing_replay, check_weight_sync
 from raygym.engine_kinds import check_lora as check_lora_engine
 from raygym.envs.specs import parse_env_spec
 from raygym.errors import ConfigError
@@ -191,6 +191,8 @@ def check_modes(r: RecipeFields) -> None:
     if r.rollout_engine != "auto":
         check_weight_sync(r.rollout_engine, mode=r.update_weight_mode, transport=r.update_weight_transport,
                           colocate=r.colocate, double_buffer=r.update_weight_double_buffer)
+        if r.use_rollout_routing_replay:  # whether it runs on CUDA: raygym.graph.preflight_engine
+            check_routing_replay(r.rollout_engine)
     if r.advantage_estimator == "ppo" and not r.use_critic:
         raise ConfigError(
             "advantage_estimator='ppo' needs use_critic=True (PPO learns a value function); pass --use-critic"

@@ -349,6 +349,7 @@ class EngineActor:
             custom_weight_loaders=[DELTA_LOADER],
             weight_version=self.weight_version,
             seed=self.settings.seed,
+            return_routed_experts=self.settings.use_rollout_routing_replay,
             extra_args=["--weight-update-timeout", str(self.settings.update_weight_timeout),
                         *(["--weight-source", self.settings.update_weight_disk_dir]
                           if self.settings.update_weight_disk_dir else []),

@@ -53,6 +53,8 @@ class GenerationRequest:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)  # the weight version that produced each token
+    return_routed_experts: bool = False  # keep the experts its MoE routers chose (raygym/rollout/routing_capture.py)
+    routed_experts: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, top_k] chunks, in order
     finish_reason: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)
     finished_at: float | None = None

@@ -44,6 +44,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from raygym import routed_experts
 from raygym.data import (
     PromptDataset,
     PromptRow,
@@ -141,7 +142,8 @@ class RolloutManager:
             health_interval=s.rollout_health_check_interval,
             health_timeout=s.rollout_health_check_timeout,
             health_first_wait=s.rollout_health_check_first_wait,
-            request_fields=adapter_request_fields(cfg.recipe),
+            request_fields={**adapter_request_fields(cfg.recipe),
+                            **routed_experts.request_fields(cfg.recipe.use_rollout_routing_replay)},
         )
         self.max_sampling_rounds = max_sampling_rounds
         self.pass_threshold = pass_threshold  # a sample "passes" for pass@k when reward >= this
@@ -321,6 +323,8 @@ class RolloutManager:
         sample.status = "truncated" if sample.finish_reason == "length" else "completed"
         sample.weight_version = min(sample.token_versions, default=weight_version_of(meta, self.weight_version))
         sample.engine = self.pool.engine_name(engine)
+        if self.pool.request_fields.get(routed_experts.REQUEST_FIELD):  # MoE routing replay
+            routed_experts.read_into(sample, meta, extending=extend)
 
     async def _continue_aborted(self, samples: list[Sample], params: list[dict[str, Any]]) -> None:
         """Partial rollouts (``fully_async``): a response the engine aborted for a weight update (stock SGLang

@@ -46,6 +46,7 @@ from raygym.rollout.generation import (
     SamplingParams,
 )
 from raygym.rollout.protocol import STATE_CHANGING, Endpoint
+from raygym.rollout.routing_capture import RoutingCapture
 from raygym.rollout.server_generate import GenerateRoute, Limits
 from raygym.rollout.server_http import (
     guard_middleware,
@@ -58,6 +59,7 @@ from raygym.rollout.server_http import (
 from raygym.rollout.server_lora import LoraRoutes
 from raygym.rollout.server_weights import WeightRoutes
 from raygym.rollout.weight_receiver import WeightReceiver
+from raygym.routed_experts import SERVER_FLAG
 from raygym.weightsync.codec import checksum as tensor_checksum
 from raygym.weightsync.codec import dtype_from_name
 from raygym.weightsync.sources import WeightSources
@@ -383,6 +385,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-config", default=None,
                    help="LoRA: attach adapters of this spec (raygym.lora.LoraSpec.to_json), B = 0, synced later")
     p.add_argument("--lora-adapter", default=None, help="LoRA: attach and load this PEFT adapter directory")
+    p.add_argument(SERVER_FLAG, action="store_true",
+                   help="MoE: return the experts each token was routed to when a request asks (return_routed_experts)")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
     for flag in ("max_running_requests", "max_queued_requests", "max_n", "context_length", "max_body_bytes"):
@@ -417,6 +421,8 @@ async def serve(args: argparse.Namespace) -> None:
         pad_token_id=int(getattr(model.config, "pad_token_id", None) or 0),
         max_queued_requests=args.max_queued_requests,
     )
+    if args.enable_return_routed_experts:
+        engine.routing = RoutingCapture(model)
     limits = Limits(context_length=args.context_length or engine.max_positions, max_n=args.max_n,
                     max_queued_requests=args.max_queued_requests, max_body_bytes=args.max_body_bytes)
     server = InferenceServer(

@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from raygym import routed_experts
 from raygym.engine_protocol import GenerateRequest, GenerateResponse
 from raygym.rollout.generate_route import (
     GenerateCall,
@@ -30,8 +31,10 @@ from raygym.rollout.generate_route import (
     visible_text,
 )
 from raygym.rollout.generation import EngineBusy, EngineUnavailable, GenerationEngine, GenerationRequest
+from raygym.rollout.routing_capture import answer_routes
 from raygym.rollout.sampling import SamplingParams
 from raygym.rollout.server_http import BadRequest, handles_errors, parse
+from raygym.routed_experts import SERVER_FLAG
 
 
 @dataclass(frozen=True)
@@ -97,13 +100,13 @@ class GenerateRoute:
         except GenerateError as exc:
             raise BadRequest(str(exc)) from None
         self.check_lora(req.lora_path)
-        if any(job.routed_experts for job in call.jobs):
-            raise BadRequest("return_routed_experts: raygym's server does not report routed experts")
+        if any(job.routed_experts for job in call.jobs) and self.engine.routing is None:
+            raise BadRequest(f"return_routed_experts: start the server with {SERVER_FLAG} (a MoE model) to get them")
         self._admit(call)
         loop = asyncio.get_running_loop()
         wakeups = [Wakeup(loop) for _ in call.jobs]
         requests = [GenerationRequest(rid=job.rid, input_ids=job.prompt, params=job.params, on_done=wake,
-                                      on_token=wake if call.stream else None)
+                                      on_token=wake if call.stream else None, return_routed_experts=job.routed_experts)
                     for job, wake in zip(call.jobs, wakeups, strict=True)]
         try:
             self.engine.submit_all(requests)
@@ -173,6 +176,8 @@ class GenerateRoute:
     async def _final(self, job: SampleJob[SamplingParams], r: GenerationRequest, with_text: bool,
                      latency: float) -> GenerateResponse:
         extra: dict[str, Any] = {}
+        if r.return_routed_experts:  # SGLang's form (raygym/routed_experts.py)
+            extra[routed_experts.META_KEY] = routed_experts.encode(answer_routes(r).numpy())
         prompt_logprobs = None
         if job.logprob and job.logprob_start >= 0:
             prompt_logprobs = [None, *(await asyncio.to_thread(self.engine.score, r.input_ids))]

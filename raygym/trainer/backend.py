@@ -106,6 +106,7 @@ class TrainerSettings:
     kl_coef: float
     use_critic: bool
     rollout_temperature: float
+    use_rollout_routing_replay: bool  # MoE: force the engine's routed experts (raygym.trainer.routing_replay)
     # model and process group
     trainer_backend: str
     tensor_model_parallel_size: int

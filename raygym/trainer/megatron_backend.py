@@ -43,6 +43,7 @@ from raygym.trainer.backend import (
     reference_model_path,
 )
 from raygym.trainer.contract import CheckpointState, LogProbResult, advantage_stats, step_metrics_summary
+from raygym.trainer.megatron_lockstep import lockstep_plan
 from raygym.trainer.megatron_model import (
     MegatronOptions,
     build_gpt_model,
@@ -62,9 +63,12 @@ from raygym.trainer.megatron_state import (
 )
 from raygym.trainer.megatron_weights import MegatronWeights
 from raygym.trainer.optim import LrSchedule
+from raygym.trainer.routing_replay import MegatronRoutingReplay
 from raygym.trainer.weight_mapping import (
     ModelShape,
 )
+
+PADDING_SAMPLE = torch.zeros(2, dtype=torch.int64)  # what a rank without a micro-batch forwards (lock step)
 
 __all__ = ["MegatronBackend", "MegatronOptions", "has_transformer_engine", "require_megatron",
            "shutdown_parallel_state"]
@@ -125,6 +129,8 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         model, self.shape = build_gpt_model(self.hf_config, self.options, self.facts["tp_size"], self.use_te)
         model = model.to(self.device)
         self.load_hf_checkpoint(model, self.model_path)
+        self.replay = MegatronRoutingReplay(model, self.settings.use_rollout_routing_replay, self.shape.num_layers,
+                                            int(self.hf_config.get("num_experts_per_tok", 0)))  # MoE: R3
         self.frozen = self._freeze(model)
         self.model = self._wrap_for_training(model) if cuda else model
         self.optimizer = self._build_optimizer()
@@ -225,16 +231,22 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
 
     # ---- forward ------------------------------------------------------------------------------
     def _forward_log_probs(self, model: Any, tokens: Sequence[torch.Tensor], response_lengths: Sequence[int],
-                           entropy_grad: bool | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                           entropy_grad: bool | None = None, routes: Sequence[torch.Tensor] | None = None,
+                           row_length: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-sample response-token log-probs of one packed micro-batch (differentiable) and, unless
-        ``entropy_grad`` is None, their entropies (with grad only when ``entropy_grad``)."""
+        ``entropy_grad`` is None, their entropies (with grad only when ``entropy_grad``); ``routes``: the engine's
+        routed experts per sample, replayed with ``use_rollout_routing_replay``; ``row_length``: pad the packed row
+        to it (expert parallelism: :mod:`raygym.trainer.megatron_lockstep`)."""
         from megatron.core import tensor_parallel
 
         assert self.shape is not None
         tp_size = self.facts["tp_size"]
         packed = pack_samples(tokens, multiple=tp_size if self.options.sequence_parallel else 1,
-                              with_mask=not self.use_te)
+                              with_mask=not self.use_te, length=row_length)
         ids = packed.input_ids.to(self.device)
+        total = ids.shape[1]  # sequence parallel: each TP rank's routers see its slice of the row
+        local = (self.facts["tp_rank"] * total // tp_size, total // tp_size) if self.options.sequence_parallel else None
+        self.replay.use(routes, packed.starts, total, local)  # kept until the next micro-batch: backward recomputes
         kwargs: dict[str, Any] = {}
         if self.use_te:
             from megatron.core.packed_seq_params import PackedSeqParams
@@ -294,11 +306,16 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            for mb in self._micro_batches([int(batch.tokens[i].numel()) for i in mine]):
+            lengths = [int(batch.tokens[i].numel()) for i in mine]
+            for mb, row in lockstep_plan(self._micro_batches(lengths), lengths, ep_size=self.facts["ep_size"]):
+                if mb is None:  # a padding row: this rank takes part in the others' expert-parallel exchanges
+                    self._forward_log_probs(model, [PADDING_SAMPLE], [1], row_length=row)
+                    continue
                 idx = [mine[j] for j in mb]
                 lps, ents = self._forward_log_probs(model, [batch.tokens[i] for i in idx],
                                                     [batch.response_lengths[i] for i in idx],
-                                                    entropy_grad=False if with_entropy else None)
+                                                    entropy_grad=False if with_entropy else None,
+                                                    routes=self._routes(batch, idx), row_length=row)
                 for k, i in enumerate(idx):
                     out["log_probs"][i] = lps[k].float().cpu()
                     if with_entropy:
@@ -360,8 +377,13 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
             lrs.append(lr)
         metrics = step_metrics_summary(per_step, grad_norms, lrs, prefix="train",
                                        tokens=float(sum(batch.total_lengths())), seconds=time.perf_counter() - t0)
-        metrics.update(advantage_stats(batch.advantages, batch.loss_masks))
+        metrics.update({**advantage_stats(batch.advantages, batch.loss_masks), **self.replay.metrics()})
         return metrics
+
+    @staticmethod
+    def _routes(batch: Any, idx: Sequence[int]) -> list[torch.Tensor] | None:
+        """The engine's routed experts of samples ``idx`` (None when the batch carries none)."""
+        return None if batch.routed_experts is None else [batch.routed_experts[i] for i in idx]
 
     def _optimizer_step(self, batch: Any, step_indices: list[int]) -> tuple[dict[str, float], float, float]:
         num_samples = len(step_indices)
@@ -374,8 +396,12 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         # batch's gradient on every data-parallel rank; the DP all-reduce must then SUM, hence * dp_size below
         # cancels Megatron's averaging.
         dp_size = self.facts["dp_size"]
-        for mb in self._micro_batches([int(batch.tokens[i].numel()) for i in mine]):
-            loss, parts = self._micro_batch_loss(batch, [mine[j] for j in mb], num_samples, num_tokens)
+        lengths = [int(batch.tokens[i].numel()) for i in mine]
+        for mb, row in lockstep_plan(self._micro_batches(lengths), lengths, ep_size=self.facts["ep_size"]):
+            if mb is None:  # a padding row, forward and backward (see _per_sample)
+                (self._forward_log_probs(self.model, [PADDING_SAMPLE], [1], row_length=row)[0][0].sum() * 0).backward()
+                continue
+            loss, parts = self._micro_batch_loss(batch, [mine[j] for j in mb], num_samples, num_tokens, row)
             (loss * dp_size).backward()
             sums += torch.stack([parts[k].double().cpu() for k in names])
         lr = self.schedule.apply()
@@ -383,15 +409,16 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         self.schedule.advance()
         return dict(zip(names, self._sum_over_dp(sums).tolist(), strict=True)), grad_norm, lr
 
-    def _micro_batch_loss(self, batch: Any, idx: list[int], num_samples: int,
-                          num_tokens: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _micro_batch_loss(self, batch: Any, idx: list[int], num_samples: int, num_tokens: int,
+                          row_length: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one micro-batch with raygym.algo.rl_loss, aggregated against the optimizer step's global counts."""
         from torch.nn.utils.rnn import pad_sequence
 
         cfg = self.loss_config
         lps, ents = self._forward_log_probs(self.model, [batch.tokens[i] for i in idx],
                                             [batch.response_lengths[i] for i in idx],
-                                            entropy_grad=cfg.entropy_needs_grad)
+                                            entropy_grad=cfg.entropy_needs_grad, routes=self._routes(batch, idx),
+                                            row_length=row_length)
         dev = lps[0].device
 
         def padded(values: Sequence[torch.Tensor] | None) -> torch.Tensor | None:

@@ -142,6 +142,10 @@ class HFRoutingReplay:
         config: Any = model.config
         self.num_layers = int(config.num_hidden_layers)  # rows hold every layer (a dense one's ids unused)
 
+    def metrics(self) -> dict[str, float]:
+        """The tally's ``train/routing_replay_*`` figures since the last call (none when replay is off)."""
+        return self.tally.metrics() if self.enabled else {}
+
     def use(self, routed: Sequence[torch.Tensor] | None, lengths: Sequence[int] = (), width: int = 0) -> None:
         """Routes of right-padded ``[len(lengths), width]`` batches from now on (``routed`` None: routers choose)."""
         if not self.enabled or routed is None:
@@ -205,6 +209,10 @@ class MegatronRoutingReplay:
             raise ConfigError("use_rollout_routing_replay=True: the model has no MoE routers to replay; use it with "
                               "a mixture-of-experts model (e.g. Qwen3-MoE) or drop --use-rollout-routing-replay")
         self.first_layer = min(layers)
+
+    def metrics(self) -> dict[str, float]:
+        """The tally's ``train/routing_replay_*`` figures since the last call (none when replay is off)."""
+        return self.tally.metrics() if self.enabled else {}
 
     def use(self, routed: Sequence[torch.Tensor] | None, starts: Sequence[int] = (), total: int = 0,
             local: tuple[int, int] | None = None) -> None:

@@ -13,7 +13,8 @@
 - Loss: :func:`raygym.algo.rl_loss` (the one RL loss, shared with the Megatron backend).
 - Checkpoints: each rank's own FSDP2 shards (DTensors of ``get_model_state_dict`` /
   ``get_optimizer_state_dict``), written by ``raygym.sharded_checkpoint`` with
-  ``torch.distributed.checkpoint``; they load on any world size; resume is bit-identical on CPU.
+  ``torch.distributed.checkpoint``; they load on any world size; resume is bit-identical on CPU. Weight sync,
+  checkpoint state and HF export live in :mod:`raygym.trainer.torch_weights`.
 - LoRA (``lora_rank > 0``, :mod:`raygym.trainer.lora`): the policy is the frozen base plus peft adapters; only
   the adapters are trained, synced (``iter_hf_weights``), checkpointed and exported (PEFT's adapter format), and
   the KL reference is the same model with the adapters switched off.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, cast
 
@@ -56,7 +57,7 @@ from raygym.trainer.backend import (
     reference_model_path,
 )
 from raygym.trainer.batch import TrainBatch
-from raygym.trainer.contract import CheckpointState, LogProbResult, advantage_stats, step_metrics_summary
+from raygym.trainer.contract import LogProbResult, advantage_stats, step_metrics_summary
 from raygym.trainer.decisions import (
     compute_dtype,
     cpu_training_threads,
@@ -64,21 +65,12 @@ from raygym.trainer.decisions import (
     reuses_current_log_probs,
 )
 from raygym.trainer.optim import LrSchedule, build_optimizer, split_frozen
+from raygym.trainer.routing_replay import HFRoutingReplay
+from raygym.trainer.torch_weights import TorchWeights
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
     from transformers import PretrainedConfig, PreTrainedModel
-
-
-def tied_aliases(model: torch.nn.Module) -> frozenset[str]:
-    """Names of parameters that are another name's parameter (tied weights), all but the first of each.
-
-    >>> m = torch.nn.Module(); m.a = torch.nn.Linear(2, 2); m.b = torch.nn.Linear(2, 2); m.b.weight = m.a.weight
-    >>> sorted(tied_aliases(m))
-    ['b.weight']
-    """
-    unique = {name for name, _ in model.named_parameters()}
-    return frozenset(name for name, _ in model.named_parameters(remove_duplicate=False) if name not in unique)
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
@@ -98,7 +90,7 @@ def pad_stack(rows: list[torch.Tensor], width: int, value: float = 0.0) -> torch
     return out
 
 
-class TorchBackend(TrainerBackend):
+class TorchBackend(TorchWeights, TrainerBackend):
     """``TrainerBackend`` on HF transformers + FSDP2. See the module docstring.
 
     >>> # backend = TorchBackend(TrainerSettings.from_config(cfg)); backend.init()
@@ -109,10 +101,8 @@ class TorchBackend(TrainerBackend):
 
     def __init__(self, settings: TrainerSettings, role: str = "actor") -> None:
         if role != self.ROLE:
-            raise ConfigError(
-                f"role={role!r}: {type(self).__name__} trains the {self.ROLE!r} role; for the PPO critic use "
-                "TrainerActor(cfg, role='critic') (raygym.trainer.critic.TorchCriticBackend)"
-            )
+            raise ConfigError(f"role={role!r}: {type(self).__name__} trains the {self.ROLE!r} role; for the PPO critic "
+                              "use TrainerActor(cfg, role='critic') (raygym.trainer.critic.TorchCriticBackend)")
         self.settings = settings
         self.role = role
         self.model: torch.nn.Module  # model, optimizer and schedule: built by init()
@@ -129,10 +119,8 @@ class TorchBackend(TrainerBackend):
         self.lora_targets: list[str] = []  # module paths that carry adapters
         self.reference_is_base = False  # the KL reference is this model with its adapters off
         if settings.hidden_dropout > 0.0:
-            raise ConfigError(
-                f"hidden_dropout={settings.hidden_dropout}: the torch backend's HF models have no hidden dropout; "
-                "set hidden_dropout=0 (attention_dropout works) or use trainer_backend='megatron'"
-            )
+            raise ConfigError(f"hidden_dropout={settings.hidden_dropout}: the torch backend's HF models have no hidden "
+                              "dropout; set hidden_dropout=0 (attention_dropout works) or use trainer_backend='megatron'")
 
     # ---- setup -------------------------------------------------------------------------------------
     def init(self) -> dict[str, Any]:
@@ -164,6 +152,7 @@ class TorchBackend(TrainerBackend):
 
             self.model, self.lora_targets = wrap_with_adapters(self.model, self.lora)
         _, self.frozen = split_frozen(self.model.named_parameters(), s.freeze_params_name_list)
+        self.replay = HFRoutingReplay(self.model, s.use_rollout_routing_replay and self.ROLE == "actor")  # MoE
         if s.torch_activation_checkpointing:
             self._enable_recompute()
         self._shard(self.model)
@@ -296,6 +285,7 @@ class TorchBackend(TrainerBackend):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Padded ``[b, R]`` log-probs of each sample's response tokens (and entropies) at temperature."""
         ids, attn = self._padded_inputs(mb)
+        self.replay.use(mb.routed_experts, mb.total_lengths(), ids.shape[1])  # kept for recomputation in backward
         logits = self._forward(model, ids, attn)
         rows, pos = self._response_positions(mb, ids.shape[1])
         sel = logits[rows, pos].float() / self.settings.rollout_temperature
@@ -307,6 +297,7 @@ class TorchBackend(TrainerBackend):
     def _dummy_pass(self, model: torch.nn.Module, backward: bool) -> None:
         """A two-token pass so this rank joins the collectives of a micro-batch it does not have."""
         ids = torch.zeros(1, 2, dtype=torch.int64, device=self.device)
+        self.replay.use(None)
         out = self._forward(model, ids)
         if backward:
             (out.float().sum() * 0.0).backward()
@@ -414,7 +405,7 @@ class TorchBackend(TrainerBackend):
             if self.world_size > 1:
                 self._mismatch.all_reduce(self.device)
             metrics.update(self._mismatch.metrics())
-        metrics.update(self._role_metrics(batch))
+        metrics.update({**self._role_metrics(batch), **self.replay.metrics()})
         return metrics
 
     def _prepare_train_batch(self, batch: TrainBatch, rollout_id: int) -> TrainBatch:
@@ -507,54 +498,6 @@ class TorchBackend(TrainerBackend):
         return float(norm)
 
     # ---- weights, memory, checkpoints ----------------------------------------------------------------
-    def iter_hf_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """Every weight by HF name, a tied one once under its first name (``model.embed_tokens.weight``, not
-        ``lm_head.weight``): engines tie the head to the embedding too (raygym's server, SGLang's and vLLM's
-        Qwen models; SGLang also loads the embedding into a separate head when it has one), and the Megatron
-        backend sends it once; sending it twice only doubles an embedding's bytes on the wire."""
-        if self.lora is not None:
-            yield from self._iter_adapter_weights(dtype)
-            return
-        aliases = tied_aliases(self.model)
-        for name, tensor in self.model.state_dict().items():
-            if name in aliases:
-                continue
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            if self.rank != 0:
-                yield name, None
-                continue
-            full = full.detach()
-            yield name, full.to(dtype) if dtype is not None else full
-
-    def _iter_adapter_weights(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """LoRA: the adapters only, under :mod:`raygym.lora`'s names (a collective under sharding)."""
-        from raygym.trainer.lora import adapter_tensors
-
-        for name, tensor in adapter_tensors(self.model):
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            if self.rank != 0:
-                yield name, None
-                continue
-            full = full.detach()
-            yield name, full.to(dtype) if dtype is not None else full
-
-    def adapter_files(self) -> dict[str, bytes]:
-        """LoRA: the adapter as PEFT's files (``adapter_config.json``, ``adapter_model.safetensors``) on rank 0,
-        {} on the others (a collective under sharding)."""
-        import json
-
-        from safetensors.torch import save
-
-        from raygym.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_config, peft_name
-
-        assert self.lora is not None
-        tensors = {peft_name(n): t.contiguous().cpu() for n, t in self._iter_adapter_weights(None) if t is not None}
-        if self.rank != 0:
-            return {}
-        config = adapter_config(self.lora, self.model_path, self.lora_targets)
-        return {ADAPTER_CONFIG: (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(),
-                ADAPTER_WEIGHTS: save(tensors, metadata={"format": "pt"})}
-
     def _move_optimizer_state(self, device: torch.device) -> None:
         for state in self.optimizer.state.values():
             for key, value in state.items():
@@ -590,79 +533,3 @@ class TorchBackend(TrainerBackend):
     def _unpark_ref(self) -> None:
         if self.ref_model is not None and self.device.type == "cuda":
             self.ref_model.to(self.device)
-
-    def checkpoint_state(self, include_optimizer: bool) -> CheckpointState:
-        """This rank's shards: DTensors under FSDP2, plain tensors on one rank (see ``CheckpointState``)."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        from raygym.checkpoint import capture_rng_state
-
-        if self.lora is not None:  # the adapters and their optimizer state, under raygym.lora's names
-            from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-            from raygym.lora import ADAPTER_DIR
-            from raygym.trainer.lora import exported_name, rename_keys
-
-            options = StateDictOptions(ignore_frozen_params=True)
-            model = rename_keys(get_model_state_dict(self.model, options=options), exported_name)
-            optim = (rename_keys(get_optimizer_state_dict(self.model, self.optimizer, options=options), exported_name)
-                     if include_optimizer else None)
-            files = {f"{ADAPTER_DIR}/{name}": data for name, data in self.adapter_files().items()}
-            return CheckpointState(model=model, optimizer=optim, schedule=self.schedule.state_dict(),
-                                   rng=capture_rng_state(), files=files)
-        model = get_model_state_dict(self.model)
-        optim = get_optimizer_state_dict(self.model, self.optimizer) if include_optimizer else None
-        return CheckpointState(model=model, optimizer=optim, schedule=self.schedule.state_dict(),
-                               rng=capture_rng_state())
-
-    def load_checkpoint_state(self, state: CheckpointState, load_optimizer: bool = True) -> None:
-        """Restore from ``state``: a ``checkpoint_state`` template that ``raygym.sharded_checkpoint`` filled."""
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-        from raygym.checkpoint import restore_rng_state
-
-        if self.lora is not None:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-            from raygym.trainer.lora import in_memory_name, rename_keys
-
-            options = StateDictOptions(ignore_frozen_params=True, strict=False)
-            set_model_state_dict(self.model, rename_keys(state.model, in_memory_name), options=options)
-            if load_optimizer and state.optimizer is not None:
-                set_optimizer_state_dict(self.model, self.optimizer, rename_keys(state.optimizer, in_memory_name),
-                                         options=options)
-        else:
-            set_model_state_dict(self.model, state.model)
-            if load_optimizer and state.optimizer is not None:
-                set_optimizer_state_dict(self.model, self.optimizer, state.optimizer)
-        self.schedule.load_state_dict(state.schedule)
-        restore_rng_state(state.rng)
-
-    def save_hf(self, out_dir: str) -> str:
-        """Rank 0 writes ``out_dir``: an HF model directory, or with LoRA the adapter (PEFT's directory format,
-        ``peft.PeftModel.from_pretrained(base, out_dir)`` loads it) beside the tokenizer files."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        if self.lora is not None:
-            files = self.adapter_files()
-            if self.rank == 0:
-                from raygym.checkpoint import write_adapter_files
-
-                write_adapter_files(files, self.model_path, out_dir)
-            if self.world_size > 1:
-                dist.barrier()
-            return out_dir
-
-        state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if self.rank == 0:
-            self._write_hf(cast("dict[str, torch.Tensor]", state), out_dir)
-        if self.world_size > 1:
-            dist.barrier()
-        return out_dir
-
-    def _write_hf(self, state: dict[str, torch.Tensor], out_dir: str) -> None:
-        from raygym.checkpoint import write_hf_model
-
-        write_hf_model(state, self.model_path, out_dir)

@@ -127,7 +127,7 @@ def test_ppo_step_trains_actor_and_critic(tiny_model_path):
         actor_metrics = actor.train_step(ready, step)
         critic_metrics = critic.train_step(ready, step)
         assert "train/pg_loss" in actor_metrics and "critic/value_loss" in critic_metrics
-        assert not (set(actor_metrics) & set(critic_metrics))  # the driver can merge them
+        assert not (set(actor_metrics) & set(critic_metrics)), set(actor_metrics) & set(critic_metrics)
     # step 0 values were all zero; after one critic step the advantages use non-zero values
     assert any(v.abs().max() > 0 for v in ready.values)
     with pytest.raises(ConfigError, match="role='actor'"):

@@ -147,6 +147,7 @@ RAYGYM_DEFAULTS = {
     "tis_clip_low": 0.0,
     "tis_mode": "truncate",
     "tis_level": "token",
+    "use_rollout_routing_replay": False,
     "gamma": 1.0,
     "lambd": 1.0,
     "critic_lr": None,

@@ -61,6 +61,7 @@ READ_BY = {
         "calculate_per_token_loss": "raygym/algo/rl_loss.py",
         "ref_load": "raygym/driver.py",
         "use_tis": "raygym/algo/rl_loss.py",
+        "use_rollout_routing_replay": "raygym/trainer/torch_backend.py",
         "tis_clip": "raygym/algo/rl_loss.py",
         "tis_clip_low": "raygym/algo/rl_loss.py",
         "tis_mode": "raygym/algo/rl_loss.py",
