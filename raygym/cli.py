@@ -143,6 +143,16 @@ def _print_plan(cfg: TrainConfig, cluster: str | None = None) -> None:
         _note(f"no NVIDIA GPU here: `raygym train` on this machine starts Ray with {alloc.total_gpus} logical "
               "GPUs, so placement behaves as on GPU nodes while the work runs on the CPU")
     console.print(cfg.recipe.trainer_backend_summary(megatron_installed=megatron_installed()), markup=False)
+    r = cfg.recipe
+    if r.trainer_backend == "megatron" or r.tensor_model_parallel_size * r.expert_model_parallel_size * \
+            r.pipeline_model_parallel_size * r.context_parallel_size > 1:  # which ranks form which Megatron groups
+        from raygym.parallel_layout import ParallelLayout
+
+        layout = ParallelLayout(world=r.actor_num_nodes * r.actor_num_gpus_per_node, tp=r.tensor_model_parallel_size,
+                                pp=r.pipeline_model_parallel_size, cp=r.context_parallel_size,
+                                ep=r.expert_model_parallel_size, num_experts=cfg.model.num_experts or 0)
+        for line in layout.lines():
+            console.print(line, markup=False)
 
 
 # ── commands ─────────────────────────────────────────────────────────────────────────────────────
