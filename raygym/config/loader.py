@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from raygym import presets
+from raygym.builtin import BUILTIN_PREFIX, is_builtin
 from raygym.config.flags import FLAGS, RUN_FIELDS, SECTION_MODELS, SECTIONS, parse_flags
 from raygym.config.run import TrainConfig
 from raygym.errors import ConfigError
@@ -100,8 +101,9 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
 
 def load_train_config(args: Sequence[str]) -> TrainConfig:
     """The config a command line describes: ``[--preset NAME] [@ run.toml] [--flag value ...]``, as
-    ``raygym train`` reads it. Layers, later wins: the preset (``tiny`` when neither a preset nor
-    ``--hf-checkpoint`` is given anywhere), then TOML files in order, then flags. Bad input raises ConfigError.
+    ``raygym train`` reads it. Layers, later wins: the preset (``tiny`` when no preset is given anywhere and
+    ``--hf-checkpoint`` is unset or one of the builtin tiny models), then TOML files in order, then flags. Bad input
+    raises ConfigError.
 
     >>> cfg = load_train_config(["--num-rollout", "3"])
     >>> cfg.model.hf_checkpoint, cfg.recipe.num_rollout, cfg.recipe.rm_type
@@ -120,7 +122,7 @@ def load_train_config(args: Sequence[str]) -> TrainConfig:
     for section in SECTIONS:
         layers[section].update(flag_layers[section])
 
-    if preset_name is None and "hf_checkpoint" not in layers["model"]:
+    if preset_name is None and is_builtin(layers["model"].get("hf_checkpoint", BUILTIN_PREFIX)):
         preset_name = "tiny"
     if preset_name is not None:
         recipe_values = presets.get_preset(preset_name).field_values()
