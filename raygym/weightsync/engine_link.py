@@ -11,11 +11,15 @@ every failure into :class:`raygym.errors.WeightSyncError` naming the engine.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import threading
 from typing import Any, Protocol
 
 from raygym.engine_protocol import ROUTES, Endpoint, body_fields, request_body
 from raygym.errors import WeightSyncError
+
+log = logging.getLogger(__name__)
 
 
 class EngineLink(Protocol):
@@ -63,9 +67,25 @@ def _client(base_url: str) -> Any:
     from raygym.engine_client import EngineClient
 
     with _clients_lock:
+        if not _clients:
+            atexit.register(close_pooled_clients)
         if base_url not in _clients:
             _clients[base_url] = EngineClient(base_url)
         return _clients[base_url]
+
+
+def close_pooled_clients() -> None:
+    """Close the pooled clients' connections (at exit, so none is left for aiohttp to report unclosed)."""
+    from raygym.engine_client import shared_loop
+
+    with _clients_lock:
+        clients = list(_clients.values())
+        _clients.clear()
+    for client in clients:
+        try:
+            shared_loop().run(client.aclose(), 5.0)
+        except Exception:  # the process is ending; a connection that cannot close is dropped with it
+            log.debug("closing the engine client of %s failed", client.base_url, exc_info=True)
 
 
 class HttpEngineLink:
