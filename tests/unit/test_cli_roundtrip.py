@@ -273,6 +273,15 @@ def test_no_flags_means_the_tiny_preset():
     assert load_train_config(["--num-rollout", "3"]).recipe.rm_type == "next_digit"
 
 
+
+def test_a_builtin_model_gets_the_tiny_preset_and_any_other_model_none():
+    moe = load_train_config(["--hf-checkpoint", "builtin:tiny-qwen3-moe"])
+    assert moe.model.hf_checkpoint == "builtin:tiny-qwen3-moe"
+    assert moe.recipe == load_train_config([]).recipe  # the tiny preset's recipe: one trainer, its lr
+    other = load_train_config(["--hf-checkpoint", "Qwen/Qwen3-0.6B"])
+    assert other.recipe == Recipe() and other.recipe != moe.recipe
+
+
 def test_from_cli_args_applies_no_preset():
     # The config classes know no preset: a preset (or none, meaning tiny) is the command line's reading.
     for args, named in ((["--num-rollout", "3"], "no --hf-checkpoint"), (["--preset", "tiny"], "--preset tiny")):
