@@ -106,6 +106,10 @@ class RaygymWeightTransferEngine(WeightTransferEngine[RaygymInitInfo, RaygymUpda
         self._reloading = False
         self.failure = ""  # why a chunk of the open session failed
         self.timeout_s = 600.0
+        if device.type == "cpu":
+            from raygym.rollout.vllm_moe_repack import install
+
+            install()
 
     # ----- groups -----
     def init_transfer_engine(self, init_info: RaygymInitInfo) -> None:

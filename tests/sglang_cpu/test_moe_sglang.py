@@ -61,6 +61,28 @@ def test_moe_generates_what_the_hf_model_scores(moe_engine, moe_model):
         assert len(tokens) == 6 and max(abs(a - b) for a, b in zip(got, want, strict=True)) < 0.05, (got, want)
 
 
+def move_experts(trainer: LocalTrainer) -> None:
+    """A training step, then every expert weight scaled by 3: what the engine serves changes a lot, and only
+    through the experts, so an engine whose experts did not load is caught."""
+    import torch
+
+    trainer.train_step()
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if ".mlp.experts." in name:
+                p.mul_(3.0)
+
+
+def checkpoint_distance(engine, moe_model: str) -> float:
+    """How far the engine's log-probs of its own sample are from the checkpoint model's (large once the experts
+    moved and arrived)."""
+    prompt = [3, 4, 5, 6]
+    answer = generate(engine, [prompt], sampling_seed=11)[0]
+    got = [lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]]
+    want = LocalTrainer(moe_model).probe_log_probs([prompt], [answer["output_ids"]])[0]
+    return max(abs(a - b) for a, b in zip(got, want, strict=True))
+
+
 @pytest.mark.parametrize("transport", ["nccl", "disk"])
 def test_moe_full_sync_from_fused_in_memory_names_is_verified(moe_engine, sglang_python, moe_model, tmp_path,
                                                               transport):
@@ -71,26 +93,26 @@ def test_moe_full_sync_from_fused_in_memory_names_is_verified(moe_engine, sglang
     try:
         for version in (1, 2):
             if version > 1:
-                trainer.train_step()
+                move_experts(trainer)
             metrics = sync.push(version)
             assert metrics["sync/full_resyncs"] == 0.0 and metrics["sync/verified_versions"] == 1.0
             assert metrics["sync/probe_logprob_diff_mean"] <= 0.1
             assert_serves_trainer(moe_engine, trainer, version)
+        assert checkpoint_distance(moe_engine, moe_model) > 0.2  # the experts it serves are the trainer's new ones
     finally:
         sync.shutdown()
 
 
 def test_fused_names_do_not_reach_sglangs_experts(moe_engine, sglang_python, moe_model, tmp_path, monkeypatch):
-    """The names raygym sent before experts were converted at the sender: SGLang's Qwen3-MoE loader finds no
-    expert under them, the experts keep their old weights and the probe fails the sync."""
+    """The names raygym sent before experts were converted at the sender: SGLang's Qwen3-MoE loader skips them
+    without a word (no parameter has that name), the experts keep their old weights and the probe fails the sync."""
     reset = make_sync(moe_engine, sglang_python, LocalTrainer(moe_model), update_weight_transport="disk",
                       update_weight_disk_dir=str(tmp_path / "reset"))
     reset.push(1)  # the engine holds the checkpoint again
     reset.shutdown()
     monkeypatch.setitem(moe_names.EXPERT_LAYOUT, "sglang", moe_names.FUSED)  # the old code path: no conversion
-    trainer = LocalTrainer(moe_model, lr=2e-1)
-    for _ in range(3):
-        trainer.train_step()
+    trainer = LocalTrainer(moe_model, lr=2e-2)
+    move_experts(trainer)
     sync = make_sync(moe_engine, sglang_python, trainer, update_weight_transport="nccl")
     try:
         with pytest.raises(WeightSyncError):
