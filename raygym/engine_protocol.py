@@ -310,10 +310,16 @@ class NoFields(_Body):
 
 
 class _Answer(BaseModel):
-    """An engine's answer: read leniently (``1`` is a fine float) and kept whole, fields this model does not
-    name included (SGLang adds fields from release to release; they stay readable as attributes)."""
+    """An engine's answer: read leniently (``1`` is a fine float, a number a fine weight version) and kept whole,
+    fields this model does not name included (SGLang adds fields from release to release; they stay readable
+    as attributes)."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
+
+    @field_validator("weight_version", mode="before", check_fields=False)
+    @classmethod
+    def _version_as_text(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
     def __getitem__(self, key: str) -> Any:
         """A field by its JSON name, as the JSON reads (``answer["meta_info"]["finish_reason"]["type"]``)."""

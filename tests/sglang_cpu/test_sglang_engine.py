@@ -4,6 +4,7 @@ and delta through SGLang's custom-weight-loader hook), an engine restart, the AP
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from raygym.config import Recipe
+from raygym.engine_client import EngineClient
 from raygym.engine_protocol import Endpoint, GenerateRequest
 from raygym.errors import WeightSyncError
 from raygym.rollout.auth import use_engine_api_key
@@ -43,9 +45,8 @@ def engine(sglang_python, sglang_model, tmp_path_factory):
 
 
 def generate(engine: EngineActor, prompts: list[list[int]], **params) -> list[dict]:
-    return engine.generate(GenerateRequest.model_validate({"input_ids": prompts, "return_logprob": True, "logprob_start_len": 0,
-                            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True,
-                                                "spaces_between_special_tokens": False, **params}}))
+    return engine.generate(GenerateRequest(input_ids=prompts, return_logprob=True, logprob_start_len=0, sampling_params={
+        "max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "spaces_between_special_tokens": False, **params}))
 
 
 def hf_logprobs(model, prompt: list[int], response: list[int]) -> list[float]:
@@ -74,6 +75,29 @@ def test_generate_with_logprobs_through_raygyms_client(engine, sglang_model):
         assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 0.05, (got, want)
     info = engine.call(Endpoint.MODEL_INFO)
     assert info["weight_version"] == "0" and info["has_image_understanding"] is False
+
+
+def test_sglangs_stream_reads_as_the_protocol_says(engine):
+    """SGLang's own ``stream: true`` (cumulative updates, ``index`` per row, ``data: [DONE]``) through raygym's client:
+    each update extends the one before and the last is the whole greedy answer."""
+    request = GenerateRequest(input_ids=[[3, 4, 5, 6], [10, 11, 12]], return_logprob=True,
+                              sampling_params={"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+    whole = engine.generate(request)
+
+    async def updates():
+        async with EngineClient(engine.url()) as client:
+            return [u async for u in client.generate_stream(request)]
+
+    rows: dict[int, list] = {}
+    for update in asyncio.run(updates()):
+        rows.setdefault(update.index or 0, []).append(update)
+    assert sorted(rows) == [0, 1]
+    for row, seen in rows.items():
+        assert all(u.meta_info.finish_reason is None for u in seen[:-1]) and seen[-1].finish_type == "length"
+        for before, after in zip(seen, seen[1:], strict=False):
+            assert after.output_ids[: len(before.output_ids)] == before.output_ids
+        assert seen[-1].output_ids == whole[row].output_ids and len(seen[-1].output_ids) == 6
+        assert seen[-1].tokens_and_logprobs()[0] == whole[row].output_ids
 
 
 def test_every_route_needs_the_api_key_but_health(engine):

@@ -47,9 +47,8 @@ def engine(vllm_python, vllm_model, tmp_path_factory):
 
 
 def generate(engine: EngineActor, prompts: list[list[int]], **params) -> list[dict]:
-    return engine.generate(GenerateRequest.model_validate({"input_ids": prompts, "return_logprob": True, "logprob_start_len": 0,
-                            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True,
-                                                "spaces_between_special_tokens": False, **params}}))
+    return engine.generate(GenerateRequest(input_ids=prompts, return_logprob=True, logprob_start_len=0, sampling_params={
+        "max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "spaces_between_special_tokens": False, **params}))
 
 
 def hf_logprobs(model, prompt: list[int], response: list[int], temperature: float = 1.0) -> list[float]:
