@@ -152,9 +152,10 @@ class TrainerSettings:
         recipe, model = cfg.recipe, cfg.model
         shape = {"num_layers": model.num_layers, "hidden_size": model.hidden_size,
                  "num_experts": model.num_experts, "moe_router_topk": model.moe_router_topk}
-        # In async_mode (not colocated) every raygym CPU server decodes on its one thread while the trainer trains
-        # (raygym.rollout.server --num-threads); a synchronous step leaves the engines idle.
-        engine_threads = recipe.gpu_allocation().rollout_engines if recipe.async_mode and not recipe.colocate else 0
+        # In async_mode and fully_async (never colocated) every raygym CPU server decodes on its one thread while
+        # the trainer trains (raygym.rollout.server --num-threads); a synchronous step leaves the engines idle.
+        overlapped = (recipe.async_mode or recipe.fully_async) and not recipe.colocate
+        engine_threads = recipe.gpu_allocation().rollout_engines if overlapped else 0
         hooked = recipe.custom_megatron_before_log_prob_hook or recipe.custom_megatron_before_train_step_hook
         return build_view(
             cls, recipe, hf_checkpoint=model.hf_checkpoint, ref_load=recipe.ref_load or model.ref_checkpoint or "",

@@ -25,4 +25,5 @@ def test_only_async_engines_overlap_training():
     assert engine_threads(colocate=True) == 0  # colocated: the engines are released while the trainer trains
     assert engine_threads(rollout_num_gpus=2) == 0  # sync: engines idle while training
     assert engine_threads(rollout_num_gpus=2, async_mode=True) == 2
+    assert engine_threads(rollout_num_gpus=2, fully_async=True) == 2  # generation never stops
     assert engine_threads(rollout_num_gpus=4, rollout_num_gpus_per_engine=2, async_mode=True) == 2
