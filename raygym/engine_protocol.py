@@ -350,8 +350,8 @@ class GenerateMetaInfo(_Answer):
 
     id: str
     finish_reason: FinishReason | None  # None: a stream chunk of a sample still running
-    prompt_tokens: int
-    completion_tokens: int
+    prompt_tokens: int = 0  # SGLang leaves it out of a request it aborted (a pause, its waiting queue)
+    completion_tokens: int = 0
     cached_tokens: int = 0
     weight_version: str | None = None
     output_token_logprobs: list[list[Any]] | None = None  # [logprob, token_id, text | None]
