@@ -7,7 +7,10 @@ failing a request, restarts it in the background (so generation goes on elsewher
 rotation until it holds the current weights. Everything after that is here: before each sync the fleet
 waits for restarts in progress, re-forms the weight-update group over the live engines (a restarted
 server listens on a new port and must join again; its first push is full), pushes, and tells the manager
-which engines now hold the version.
+which engines now hold the version and which missed it. An engine the push did not reach (its server died
+or its actor stopped answering between the rollout and the sync) gets no requests from then on: the manager
+routes only to engines that hold the current version. The next sync that reaches it returns it to rotation;
+one whose server is found dead is restarted first.
 
 An engine whose actor died with its node is "lost": the run goes on without it. Before each sync the
 fleet asks whether Ray has placed its bundles again (the node came back, or another with the resources
@@ -108,16 +111,28 @@ class EngineFleet:
             self._rebuild(live)
             out.update(self.weight_sync.push(version))
             out["sync/engine_rebuilds"] = float(self.rebuilds)
+        self._hold_back_missed()
         return out
 
-    def publish(self, version: int) -> dict[str, float]:
-        """Tell the manager the engines hold ``version``; restarted engines that got it return to rotation."""
+    def _hold_back_missed(self) -> None:
+        """Engines outside the sync that just pushed leave rotation now, before :meth:`publish` (a caller may
+        start the next rollout without publishing: a resumed run's first push)."""
         import ray
 
-        ray.get(self.manager.set_weight_version.remote(version))
-        needing = set(ray.get(self.manager.engines_needing_weights.remote()))
-        for i in sorted(needing & set(self.synced)):
-            ray.get(self.manager.mark_engine_synced.remote(i, version))
+        missed = [i for i in range(len(self.engines.handles)) if i not in self.synced]
+        if missed:
+            ray.get(self.manager.hold_back.remote(missed))
+
+    def publish(self, version: int) -> dict[str, float]:
+        """Tell the manager that the engines of the sync that just succeeded (``synced``) hold ``version``:
+        they serve it (restarted ones return to rotation); every other engine gets no requests until a sync
+        reaches it."""
+        import ray
+
+        left = ray.get(self.manager.apply_sync.remote(version, list(self.synced)))
+        if left:
+            self.say(f"[yellow]engines {left} missed the sync to version {version}: no requests until a sync "
+                     "reaches them[/]")
         return {"sync/engines": float(len(self.synced)), "sync/engines_replaced": float(self.replaced)}
 
     def recover(self) -> dict[str, float]:
@@ -183,7 +198,8 @@ class EngineFleet:
 
     def _alive(self, indexes: list[int]) -> list[int]:
         """Those of ``indexes`` whose server process lives (a death the manager has not seen yet). An engine
-        whose actor is gone (its node died) is reported to the manager as lost."""
+        whose actor is gone (its node died) is reported to the manager as lost, one whose server died as failed
+        (the manager restarts it: it gets no requests that would show it)."""
         import ray
 
         from raygym.rollout.health import actor_gone
@@ -197,6 +213,9 @@ class EngineFleet:
             try:
                 if ray.get(ref):
                     live.append(i)
+                else:
+                    ray.get(self.manager.report_engine_failure.remote(i, "its server process died (found by the "
+                                                                          "weight sync)"))
             except ray.exceptions.RayError as exc:
                 if actor_gone(exc):
                     ray.get(self.manager.mark_engine_lost.remote(i, f"its actor died ({type(exc).__name__})"))

@@ -6,9 +6,15 @@ through the :class:`~raygym.rollout.router.Router`, posts ``/generate`` and, wit
 on, retries a request whose engine failed (connection error, timeout, 5xx) on another healthy
 engine — the caller's sample slot is filled exactly once. The failed engine is marked unhealthy
 and restarted in the background (``EngineActor.restart()``); it returns to the router only after
-it holds the current weights: ``mark_engine_synced(i, version)`` from the driver's
-:class:`raygym.engine_fleet.EngineFleet` (see ``engines_needing_weights()``), which re-forms the weight
-sync over the restarted engine and pushes to it.
+it holds the current weights: ``apply_sync(version, reached)`` (or ``mark_engine_synced(i, version)``) from
+the driver's :class:`raygym.engine_fleet.EngineFleet` (see ``engines_needing_weights()``), which re-forms the
+weight sync over the restarted engine and pushes to it. An engine a sync did not reach leaves rotation the
+same way, without a restart.
+
+A request in flight on an engine that leaves rotation (a failed request or health check, a lost actor, a
+missed sync) is cancelled there and sent to another engine at once, not at its timeout. An answer that is
+malformed (its body does not fit the protocol's model, or it has the wrong number of outputs) fails only
+that request: it is counted (``malformed``) and sent elsewhere; the engine is not restarted.
 
 :class:`HealthMonitor` probes every healthy engine's ``/health_generate`` every ``interval`` s with
 ``timeout``, starting ``first_wait`` s after it was first activated, and only while active (the
@@ -23,9 +29,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from raygym.engine_client import EngineAnswerError
 from raygym.engine_protocol import GenerateRequest, GenerateResponse
 from raygym.errors import RaygymError
-from raygym.rollout.router import DEAD, LOST, NoHealthyEngineError, Router
+from raygym.rollout.router import DEAD, HEALTHY, LOST, NoHealthyEngineError, Router
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +41,38 @@ ClientFactory = Callable[[str], Any]  # base_url -> EngineClient-like (async gen
 
 class EngineRequestError(RaygymError):
     """The engine answered, but rejected the request (4xx): retrying elsewhere would not help."""
+
+
+def request_rows(request: GenerateRequest) -> int:
+    """Prompts in ``request``: a batch's length, else 1."""
+    for prompts in (request.input_ids, request.text):
+        if isinstance(prompts, list) and (not prompts or isinstance(prompts[0], (list, str))):
+            return len(prompts)
+    return 1
+
+
+def _batched(request: GenerateRequest) -> bool:
+    ids, text = request.input_ids, request.text
+    return isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
+
+
+def answer_count_problem(request: GenerateRequest, answer: GenerateResponse | list[GenerateResponse]) -> str | None:
+    """What is wrong with the number of outputs in ``answer`` to ``request`` (None: one per prompt and sample).
+
+    >>> one = GenerateResponse.model_validate({"text": "7", "output_ids": [7],
+    ...                                        "meta_info": {"id": "a", "finish_reason": {"type": "stop"}}})
+    >>> answer_count_problem(GenerateRequest(input_ids=[[1], [2]]), [one])
+    '2 prompts answered with 1 outputs'
+    >>> answer_count_problem(GenerateRequest(input_ids=[1, 2]), one) is None
+    True
+    """
+    params = request.sampling_params
+    per_prompt = params.get("n", 1) if isinstance(params, dict) else 1
+    expected = request_rows(request) * (per_prompt if isinstance(per_prompt, int) else 1)
+    if not _batched(request) and expected == 1:
+        return None if not isinstance(answer, list) else f"1 prompt answered with a list of {len(answer)} outputs"
+    got = len(answer) if isinstance(answer, list) else 1
+    return None if got == expected else f"{request_rows(request)} prompts answered with {got} outputs"
 
 
 def default_client_factory(timeout: float | None) -> ClientFactory:
@@ -146,7 +185,11 @@ class EnginePool:
         self.failures: list[dict[str, Any]] = []  # one entry per detected engine failure
         self.incarnation = [0] * len(engines)  # bumped on every restart: stale failure reports are ignored
         self._last_success = [0.0] * len(engines)  # monotonic time of each engine's last good answer
-        self.retries = 0  # requests re-sent after an engine failure or abort
+        self.retries = 0  # requests re-sent after an engine failure or abort, a malformed answer, or a move
+        self.malformed = 0  # answers whose body did not fit the protocol or had the wrong number of outputs
+        self.moved = 0  # requests cancelled in flight on an engine that left rotation and sent elsewhere
+        # per engine: set when it leaves rotation (its requests in flight move elsewhere); a new one once it is back
+        self._left = [asyncio.Event() for _ in engines]
         # generation requests (prompt rows: a batched request of k prompts counts k) sent to each engine
         self.routed_rows = [0] * len(engines)
         self.busy_checks = 0  # health probes that timed out on a busy but responsive engine
@@ -228,21 +271,32 @@ class EnginePool:
         """POST ``request`` to ``/generate`` on a routed engine; returns ``(engine index, answer)``.
 
         With fault tolerance a failed engine's request is retried elsewhere; without it the failure
-        raises :class:`RaygymError` naming the engine. A response that finished with ``abort`` (an
-        engine paused or aborted it) is re-sent too, unless ``keep_aborted``: then it is returned with its
-        tokens so far (partial rollouts continue it)."""
+        raises :class:`RaygymError` naming the engine. A request whose engine leaves rotation while it is in
+        flight, and one answered with a malformed body, are sent to another engine (the engine that answered
+        malformed is not restarted). A response that finished with ``abort`` (an engine paused or aborted it)
+        is re-sent too, unless ``keep_aborted``: then it is returned with its tokens so far (partial rollouts
+        continue it)."""
         exclude: set[int] = set()
         if self.request_fields:
             request = request.model_copy(update=self.request_fields)
+        last = ""
         for attempt in range(1, self.max_attempts + 1):
             i = await self._acquire(exclude)
             incarnation = self.incarnation[i]
-            ids = request.input_ids
-            self.routed_rows[i] += len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], list) else 1
+            self.routed_rows[i] += request_rows(request)
             if trace is not None:
                 trace.update(engine=i, attempts=attempt, sent=time.time())
             try:
-                response = await self.clients[i].generate(request)
+                response = await self._generate_unless_left(i, request)
+                problem = None if response is None else answer_count_problem(request, response)
+                if problem is not None:
+                    raise EngineAnswerError(f"/generate: {problem}")
+            except EngineAnswerError as e:
+                self._malformed(i, e)
+                last = f"a malformed answer ({e})"
+                exclude.add(i)
+                self.retries += 1
+                continue
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -255,11 +309,18 @@ class EnginePool:
                         "set use_fault_tolerance=True to retry on other engines"
                     ) from e
                 await self.report_failure(i, f"request failed ({type(e).__name__}: {e})", incarnation)
+                last = f"{type(e).__name__}: {e}"
                 exclude.add(i)
                 self.retries += 1
                 continue
             finally:
                 self.router.release(i)
+            if response is None:  # the engine left rotation while the request was in flight there
+                self.moved += 1
+                self.retries += 1
+                last = f"it left rotation ({self.router.state(i)})"
+                exclude.add(i)
+                continue
             self._last_success[i] = time.monotonic()
             responses = response if isinstance(response, list) else [response]
             aborted = any(r.finish_type == "abort" for r in responses)
@@ -268,9 +329,49 @@ class EnginePool:
             if not self.fault_tolerance:
                 raise RaygymError(f"rollout {self.engine_name(i)} aborted a request; set use_fault_tolerance=True "
                                   "to retry aborted requests on other engines")
+            last = "an aborted answer"
             exclude.add(i)
             self.retries += 1
-        raise RaygymError(f"a rollout request failed on {self.max_attempts} attempts; last on {self.engine_name(i)}")
+        raise RaygymError(f"a rollout request failed on {self.max_attempts} attempts; last on {self.engine_name(i)}: "
+                          f"{last}")
+
+    async def _generate_unless_left(self, i: int, request: GenerateRequest
+                                    ) -> GenerateResponse | list[GenerateResponse] | None:
+        """Engine ``i``'s answer to ``request``, or None when ``i`` left rotation first (the request is then
+        cancelled: its connection closes, which aborts it on a server that still listens)."""
+        left = self._left[i]
+        if left.is_set():  # set while it was out of rotation earlier; it is back now (acquire returned it)
+            left = self._left[i] = asyncio.Event()
+        answer = asyncio.ensure_future(self.clients[i].generate(request))
+        leaving = asyncio.ensure_future(left.wait())
+        try:
+            await asyncio.wait((answer, leaving), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            leaving.cancel()
+            if not answer.done():
+                answer.cancel()
+                await asyncio.gather(answer, return_exceptions=True)
+        if answer.cancelled():
+            return None
+        result: GenerateResponse | list[GenerateResponse] = answer.result()
+        return result
+
+    def _malformed(self, i: int, error: Exception) -> None:
+        """Engine ``i`` answered, but not in the protocol: that request fails (it is sent elsewhere), the engine
+        stays (a transport error or 5xx restarts it; a malformed answer is no sign that the server is broken)."""
+        self.malformed += 1
+        log.warning("rollout %s gave a malformed answer (%s); sending the request elsewhere", self.engine_name(i),
+                    error)
+        if not self.fault_tolerance:
+            raise RaygymError(f"rollout {self.engine_name(i)} gave a malformed answer: {error}; set "
+                              "use_fault_tolerance=True to send it to other engines") from error
+
+    def _left_rotation(self, engines: list[int]) -> None:
+        """``engines`` changed state: those out of rotation have their requests in flight moved elsewhere."""
+        for i in engines:
+            if self.router.state(i) != HEALTHY:
+                self._left[i].set()
+        self._changed.set()
 
     async def abort_all(self) -> None:
         """Ask every healthy engine to abort what it is still generating (best effort)."""
@@ -296,7 +397,7 @@ class EnginePool:
             return
         self.failures.append({"engine": i, "url": self.urls[i], "reason": reason, "time": time.time()})
         log.warning("rollout %s failed: %s; restarting it", self.engine_name(i), reason)
-        self._changed.set()
+        self._left_rotation([i])
         if self.fault_tolerance and i not in self._recoveries:
             self._recoveries[i] = asyncio.create_task(self._recover(i), name=f"raygym-restart-engine-{i}")
 
@@ -331,7 +432,7 @@ class EnginePool:
                             return
                     await asyncio.sleep(self.retry_interval_s)
             self.router.mark_restarted(i)  # ready again once the driver's fleet synced it
-            self._changed.set()
+            self._left_rotation([i])
         finally:
             self._recoveries.pop(i, None)
 
@@ -342,7 +443,7 @@ class EnginePool:
         self.router.mark_lost(i)
         self.failures.append({"engine": i, "url": self.urls[i], "reason": f"lost: {reason}", "time": time.time()})
         log.warning("rollout %s lost: %s", self.engine_name(i), reason)
-        self._changed.set()
+        self._left_rotation([i])
 
     async def replace_engine(self, i: int, handle: Any) -> None:
         """A new, started actor serves engine ``i`` (the driver placed it after its node returned). It gets
@@ -353,7 +454,7 @@ class EnginePool:
         self._set_url(i, url)
         self.incarnation[i] += 1  # failures reported about the old actor are ignored from now on
         self.router.mark_restarted(i)
-        self._changed.set()
+        self._left_rotation([i])
         close = getattr(old, "aclose", None)
         if close is not None:
             try:
@@ -378,7 +479,31 @@ class EnginePool:
         return ready
 
     def set_weight_version(self, version: int) -> None:
+        """The policy version is ``version`` and every engine in rotation holds it (see :meth:`apply_sync`)."""
         self.router.set_weight_version(version)
+        self._changed.set()
+
+    def apply_sync(self, version: int, reached: list[int]) -> list[int]:
+        """A verified sync put ``version`` on the engines ``reached``: they serve it (restarted ones return), the
+        others in rotation leave it, their requests in flight moved elsewhere. Returns the engines that left."""
+        left = self.router.apply_sync(version, reached)
+        for i in left:
+            log.warning("rollout %s missed the sync to weight version %d: no requests until a sync reaches it",
+                        self.engine_name(i), version)
+        self._left_rotation(left)
+        return left
+
+    def hold_back(self, engines: list[int]) -> list[int]:
+        """``engines`` missed the sync being published: out of rotation now (see :meth:`apply_sync`)."""
+        left = self.router.hold_back(engines)
+        self._left_rotation(left)
+        return left
+
+    def counts(self) -> dict[str, int]:
+        """Running totals: ``failures`` (engines failed or lost), ``retries``, ``malformed`` answers, requests
+        ``moved`` off an engine that left rotation."""
+        return {"failures": len(self.failures), "retries": self.retries, "malformed": self.malformed,
+                "moved": self.moved}
 
     async def close(self) -> None:
         await self.monitor.stop()

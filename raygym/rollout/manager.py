@@ -87,6 +87,11 @@ async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+def _since(counts: dict[str, int], mark: dict[str, int]) -> dict[str, int]:
+    """What each running count of the engine pool grew by since ``mark`` (empty: since the start)."""
+    return {k: v - mark.get(k, 0) for k, v in counts.items()}
+
+
 class RolloutManager:
     """Generates each step's samples and the eval metrics over a list of ``EngineActor`` handles.
 
@@ -151,7 +156,7 @@ class RolloutManager:
         self.continue_aborted = False  # partial rollouts: fully asynchronous runs continue what a sync aborted
         self.stream: AsyncStream | None = None  # fully_async: the producer (raygym/rollout/stream.py)
         self._resumed_pending: list[int] = []  # keys a checkpoint kept, generated first by the stream
-        self._failures_mark = self._retries_mark = 0  # engine failures and retries counted up to the last take
+        self._counts_mark: dict[str, int] = {}  # the pool's running counts up to the last take (fully async)
         self.continued = 0  # continuation requests sent
         self._started = False
         self._metrics: dict[str, float] = {}
@@ -191,12 +196,33 @@ class RolloutManager:
         return self.pool.mark_engine_synced(engine_index, weight_version)
 
     def set_weight_version(self, weight_version: int) -> None:
-        """Every serving engine now holds ``weight_version`` (the driver calls this after a sync, before
-        :meth:`mark_engine_synced` for the restarted engines it pushed to)."""
+        """Every engine in rotation now holds ``weight_version`` (a caller that knows which engines a sync reached
+        calls :meth:`apply_sync` instead)."""
         self.weight_version = weight_version
         self.pool.set_weight_version(weight_version)
         if self.stream is not None:
             self.stream.wake()
+
+    def apply_sync(self, weight_version: int, reached: list[int]) -> list[int]:
+        """A verified weight sync put ``weight_version`` on engines ``reached`` (the driver's fleet, after its
+        push): they serve it, restarted ones among them return to rotation, and every other engine in rotation
+        leaves it (its requests in flight move elsewhere) until a sync reaches it. Returns the engines that
+        left."""
+        self.weight_version = weight_version
+        left = self.pool.apply_sync(weight_version, reached)
+        if self.stream is not None:
+            self.stream.wake()
+        return left
+
+    def hold_back(self, engine_indexes: list[int]) -> list[int]:
+        """Engines a sync being pushed does not reach: out of rotation now, before :meth:`apply_sync`."""
+        return self.pool.hold_back(engine_indexes)
+
+    async def report_engine_failure(self, engine_index: int, reason: str) -> None:
+        """The driver found engine ``engine_index``'s server dead (outside a request): restart it in the
+        background, as after a failed request."""
+        await self._ensure_started()
+        await self.pool.report_failure(engine_index, reason)
 
     def engine_states(self) -> list[str]:
         """``healthy`` | ``dead`` | ``needs_weights`` | ``lost`` per engine (push weights to the healthy and
@@ -255,13 +281,13 @@ class RolloutManager:
         self.rewards.post_process(samples)
         if self.teacher is not None:
             await self.teacher.score(samples)
-        failures, retries = len(self.pool.failures), self.pool.retries
+        counts = self.pool.counts()
         stats = {"kept": self.settings.rollout_batch_size, "dropped": int(stream_metrics["async/filtered_groups"]),
                  "surplus": 0, "aborted": 0, "rounds": 0}
         self._metrics = self._step_metrics(samples, stream_metrics["async/interval_s"], stats,
-                                           failures - self._failures_mark, retries - self._retries_mark)
+                                           _since(counts, self._counts_mark))
         self._metrics.update(stream_metrics)
-        self._seen, self._failures_mark, self._retries_mark = [], failures, retries  # generated since: the next step's
+        self._seen, self._counts_mark = [], counts  # generated since: the next step's
         return samples
 
     async def stop_stream(self) -> None:
@@ -484,7 +510,7 @@ class RolloutManager:
         self._trace_budget = self.settings.trace_sample_limit if self.settings.capture_trace else 0
         self.pool.router.reset_counts()
         self.pool.routed_rows = [0] * len(self.pool.routed_rows)
-        failures_before, retries_before = len(self.pool.failures), self.pool.retries
+        counts_before = self.pool.counts()
         if self.settings.use_fault_tolerance:
             self.pool.monitor.activate()
         start = time.monotonic()
@@ -505,13 +531,13 @@ class RolloutManager:
         finally:
             self.pool.monitor.deactivate()
         elapsed = time.monotonic() - start
-        self._metrics = self._step_metrics(samples, elapsed, stats, len(self.pool.failures) - failures_before,
-                                           self.pool.retries - retries_before)
+        self._metrics = self._step_metrics(samples, elapsed, stats, _since(self.pool.counts(), counts_before))
         return samples
 
     def _step_metrics(self, samples: Sequence[Sample], elapsed: float, stats: dict[str, int],
-                      failures: int, retries: int) -> dict[str, float]:
-        metrics = rollout_batch_metrics(samples, self._seen, elapsed, failures=failures, retries=retries)
+                      counts: dict[str, int]) -> dict[str, float]:
+        metrics = rollout_batch_metrics(samples, self._seen, elapsed, failures=counts["failures"],
+                                        retries=counts["retries"], malformed=counts["malformed"], moved=counts["moved"])
         metrics.update(reward_component_metrics(samples, self.rewards.names, "rollout/"))
         if self.group_filter is not None:
             metrics.update({

@@ -10,9 +10,11 @@ from raygym.types import Sample
 
 
 def rollout_batch_metrics(samples: Sequence[Sample], seen: Sequence[Sample], elapsed: float, *, failures: int,
-                          retries: int) -> dict[str, float]:
+                          retries: int, malformed: int = 0, moved: int = 0) -> dict[str, float]:
     """Reward, length and throughput of the ``samples`` a step trains on; ``seen`` is everything generated for
-    it (kept or not; empty = the samples), ``elapsed`` the seconds it took.
+    it (kept or not; empty = the samples), ``elapsed`` the seconds it took. ``failures`` (engines that failed),
+    ``retries`` (requests sent again), ``malformed`` (answers that did not fit the protocol) and ``moved``
+    (requests taken off an engine that left rotation while they were in flight) count the step's engine trouble.
 
     >>> s = Sample(prompt="", prompt_tokens=[1], group_index=0, response_tokens=[2, 3], reward=1.0)
     >>> m = rollout_batch_metrics([s], [], 2.0, failures=0, retries=0)
@@ -37,6 +39,8 @@ def rollout_batch_metrics(samples: Sequence[Sample], seen: Sequence[Sample], ela
         "rollout/samples": float(len(samples)),
         "rollout/engine_failures": float(failures),
         "rollout/request_retries": float(retries),
+        "rollout/malformed_answers": float(malformed),
+        "rollout/requests_moved": float(moved),
         "perf/rollout_time": elapsed,
     }
 
