@@ -12,6 +12,9 @@ from typing import Any
 import fsspec
 
 MANIFEST = "manifest.json"
+# A checkpoint saved with its commit deferred: the manifest as it will read, not yet under its own name (a
+# directory holding only this is incomplete). :func:`commit_manifest` puts it in place.
+PENDING_MANIFEST = "manifest.pending.json"
 FORMAT = "raygym-checkpoint/1"
 ITER_RE = re.compile(r"^iter_(\d{7,})$")
 HF_SIDE_FILES = (
@@ -62,6 +65,33 @@ def write_bytes_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) ->
     else:
         with fs.open(path, "wb") as f:
             f.write(data)
+
+
+def commit_manifest(checkpoint_url: str) -> bool:
+    """Make the checkpoint at ``checkpoint_url`` complete: its pending manifest becomes ``manifest.json``
+    (atomically on local disks). Returns False when there is nothing pending (already committed).
+
+    The training loop saves a step's checkpoint before its weight sync, and commits it only once the step's
+    rows are on disk, so a kill at any point leaves a checkpoint and its rows together or neither.
+
+    >>> fs = fsspec.filesystem("memory")
+    >>> fs.pipe("/commit-doc/iter_0000002/manifest.pending.json", b'{"rollout_id": 2, "files": {}}')
+    >>> read_manifest(fs, "/commit-doc/iter_0000002") is None
+    True
+    >>> commit_manifest("memory:///commit-doc/iter_0000002"), read_manifest(fs, "/commit-doc/iter_0000002")
+    (True, {'rollout_id': 2, 'files': {}})
+    >>> commit_manifest("memory:///commit-doc/iter_0000002")
+    False
+    """
+    fs, path = fsspec.core.url_to_fs(checkpoint_url)
+    pending = join_url(path, PENDING_MANIFEST)
+    if not fs.exists(pending):
+        return False
+    with fs.open(pending, "rb") as f:
+        data = f.read()
+    write_bytes_atomic(fs, join_url(path, MANIFEST), data)
+    fs.rm(pending)
+    return True
 
 
 def write_extra_and_hf_files(fs: fsspec.AbstractFileSystem, path: str, extra: dict[str, Any] | None,

@@ -3,7 +3,9 @@
 Per step: rollout -> [colocate: engines release memory, trainers onload] -> log-probs -> advantages ->
 train -> save every ``save_interval`` -> [colocate: trainers offload, engines resume their weights] ->
 weight sync (verified on every engine) -> [colocate: engines resume the KV cache] -> eval every
-``eval_interval`` -> metrics row, hooks, progress. When the next rollout starts is the schedule's
+``eval_interval`` -> metrics row, hooks, progress -> the save committed. A checkpoint is written before the
+sync (trainers still hold their state on device) but counts only once the step's rows are on disk, so a
+resumed run lists every step exactly once, wherever a kill lands. When the next rollout starts is the schedule's
 business (:class:`SyncSchedule`: after the sync; :class:`AsyncSchedule`: before training, one step
 off-policy); the memory moves of a colocated run are :class:`Colocation`'s.
 """
@@ -11,6 +13,7 @@ off-policy); the memory moves of a colocated run are :class:`Colocation`'s.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -54,6 +57,14 @@ def call_ranks(groups: tuple[Any, ...], method: str, *args: Any) -> list[Any]:
     import ray
 
     return ray.get([getattr(h, method).remote(*args) for g in groups if g is not None for h in g.handles])
+
+
+@dataclass(frozen=True)
+class PendingCheckpoint:
+    """A step's checkpoint written by :meth:`Loop.save` and not yet committed (its manifest still pending)."""
+
+    policy_url: str
+    critic_url: str | None = None
 
 
 class Colocation:
@@ -260,11 +271,23 @@ class Loop:
         self.events.append(f"{step}:train")
         return {**train_metrics, **critic_metrics, **mismatch}
 
-    def save(self, step: int, data_state: dict[str, Any]) -> None:
+    def save(self, step: int, data_state: dict[str, Any]) -> PendingCheckpoint:
+        """Write step ``step``'s checkpoint (policy and critic), not yet complete: :meth:`commit` completes it
+        once the step's rows are on disk."""
         extra = {"data_state": data_state, "weight_version": self.version, "run_id": self.cfg.run_id}
-        # The critic first: a step's policy manifest (what resume looks for) then implies its critic exists.
-        self.critics("save_checkpoint", step, extra, self.cfg.checkpoint_dir)
-        self.checkpoints.append(self.trainers("save_checkpoint", step, extra, self.cfg.checkpoint_dir)[0])
+        critic = self.critics("save_checkpoint", step, extra, self.cfg.checkpoint_dir, False)
+        policy = self.trainers("save_checkpoint", step, extra, self.cfg.checkpoint_dir, False)[0]
+        return PendingCheckpoint(policy_url=policy, critic_url=critic[0] if critic else None)
+
+    def commit(self, pending: PendingCheckpoint) -> None:
+        """Complete a saved checkpoint after its step's rows are durable: a kill anywhere leaves the step's
+        rows and its checkpoint together (resume continues after it) or neither (resume redoes the step)."""
+        assert self.metrics is not None
+        self.metrics.make_durable()
+        if pending.critic_url is not None:  # the critic first: a policy manifest then implies its critic's
+            self.critics("commit_checkpoint", pending.critic_url)
+        self.trainers("commit_checkpoint", pending.policy_url)
+        self.checkpoints.append(pending.policy_url)
 
     def sync(self, version: int, step: int, timer: PhaseTimer) -> dict[str, float]:
         """Every engine serves ``version`` (memory moves around the push when colocated)."""
@@ -313,15 +336,18 @@ class Loop:
                 row = self._rollout_row(rollout_metrics, samples)
                 row.update(self.train_on(samples, step, timer))
                 schedule.before_sync(pending, timer)
+                saved = None
                 if _should(recipe.save_interval, step, last):
                     with timer.phase("save"):
-                        self.save(step, data_state)
+                        saved = self.save(step, data_state)
                 row.update(self.sync(step + 1, step, timer))
                 if _eval_due(recipe.eval_interval, step):
                     row.update(self.evaluate(step, timer))
                 pending = schedule.after_sync(step, self.version, pending)
                 row.update(self._step_timing(timer, t0, samples))
                 self._log(step, samples, row)
+                if saved is not None:
+                    self.commit(saved)
                 final = step
         finally:
             schedule.close()

@@ -81,8 +81,16 @@ class StepFile:
         self.path = path
         self.kept: list[dict[str, Any]] = []
         if resume_from_step is not None and path.exists():
-            self.kept = [r for r in self._read() if r.get("step", -1) < resume_from_step]
-            path.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
+            kept: dict[int, dict[str, Any]] = {}
+            for row in self._read():  # one row per step: a step logged twice keeps its last row
+                step = row.get("step")
+                if isinstance(step, int) and step < resume_from_step:
+                    kept[step] = row
+            self.kept = [kept[s] for s in sorted(kept)]
+            # a kill while rewriting must not lose the rows: a new file, renamed over the old one
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
+            os.replace(tmp, path)
         elif path.exists():
             path.unlink()
         self._file = path.open("a", buffering=1)
@@ -100,6 +108,12 @@ class StepFile:
     def write(self, row: Mapping[str, Any]) -> None:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+
+    def make_durable(self) -> None:
+        """On disk, not only in the OS's cache (before a checkpoint vouches for these rows)."""
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if not self._file.closed:
@@ -179,6 +193,11 @@ class MetricsLogger:
     def log_prompts(self, step: int, data_index: list[int], prompt_key: list[int]) -> None:
         """The prompts step ``step`` trained on (one entry per group)."""
         self.prompts.write({"step": step, "data_index": data_index, "prompt_key": prompt_key})
+
+    def make_durable(self) -> None:
+        """Every row logged so far is on disk (``metrics.jsonl`` and ``prompts.jsonl``)."""
+        self.steps.make_durable()
+        self.prompts.make_durable()
 
     def close(self) -> None:
         self.steps.close()

@@ -14,7 +14,9 @@ Layout of ``<dir>/iter_{rollout_id:07d}/`` (format ``raygym-checkpoint/2``):
   ``adapter_model.safetensors``), which ``peft`` loads onto the base model; ``dcp/`` then holds the adapters
   and their optimizer state only;
 - ``manifest.json``: written LAST by rank 0, after every rank's files are complete, listing every file
-  and its size (``raygym.checkpoint`` skips a directory without a valid one).
+  and its size (``raygym.checkpoint`` skips a directory without a valid one). Saved with ``commit=False``,
+  it is written as ``manifest.pending.json`` and the checkpoint counts only once
+  :func:`raygym.checkpoint_files.commit_manifest` puts it in place (the loop does, after the step's rows).
 
 The rank-0 gather-and-pickle format (``raygym-checkpoint/1``, ``raygym.checkpoint.save_checkpoint``) still
 loads. The directory must be shared by all ranks (a shared filesystem or an object store URL).
@@ -44,6 +46,7 @@ import torch
 from raygym.checkpoint_files import (
     FORMAT,
     MANIFEST,
+    PENDING_MANIFEST,
     is_local,
     iter_dir_name,
     join_url,
@@ -93,9 +96,11 @@ def save_sharded(
     world_size: int,
     extra: dict[str, Any] | None = None,
     hf_source: str | None = None,
+    commit: bool = True,
 ) -> str:
     """Write checkpoint ``rollout_id`` under ``dir_url``: a collective, every rank of the trainer calls it
-    with its own :class:`CheckpointState`. Returns the checkpoint's URL (on every rank)."""
+    with its own :class:`CheckpointState`. Returns the checkpoint's URL (on every rank). ``commit=False``
+    leaves it incomplete until :func:`raygym.checkpoint_files.commit_manifest`."""
     import torch.distributed.checkpoint as dcp
 
     fs, root = fsspec.core.url_to_fs(dir_url)
@@ -103,8 +108,9 @@ def save_sharded(
     url = path if is_local(fs) else fs.unstrip_protocol(path)
     if rank == 0:
         if fs.exists(path):  # overwriting: no old manifest may vouch for new files, no old shard may linger
-            if fs.exists(join_url(path, MANIFEST)):
-                fs.rm(join_url(path, MANIFEST))
+            for name in (MANIFEST, PENDING_MANIFEST):
+                if fs.exists(join_url(path, name)):
+                    fs.rm(join_url(path, name))
             fs.rm(path, recursive=True)
         fs.makedirs(join_url(path, TRAINER_STATE_DIR), exist_ok=True)
     _barrier(world_size)
@@ -123,7 +129,8 @@ def save_sharded(
             fs.makedirs(join_url(path, *rel.split("/")[:-1]), exist_ok=True)
             with fs.open(join_url(path, rel), "wb") as f:
                 f.write(data)
-        _finish(fs, path, rollout_id, world_size, state.optimizer is not None, extra, hf_source)
+        _finish(fs, path, rollout_id, world_size, state.optimizer is not None, extra, hf_source,
+                manifest_name=MANIFEST if commit else PENDING_MANIFEST)
     _barrier(world_size)
     return url
 
@@ -136,13 +143,14 @@ def _finish(
     has_optimizer: bool,
     extra: dict[str, Any] | None,
     hf_source: str | None,
+    manifest_name: str = MANIFEST,
 ) -> None:
     write_extra_and_hf_files(fs, path, extra, hf_source)
     files = {}
     prefix = path.rstrip("/") + "/"
     for entry in fs.find(path):
         rel = entry[len(prefix):] if entry.startswith(prefix) else entry
-        if rel != MANIFEST and ".tmp" not in rel:
+        if rel not in (MANIFEST, PENDING_MANIFEST) and ".tmp" not in rel:
             files[rel] = int(fs.size(entry))
     manifest = {
         "format": FORMAT_SHARDED,
@@ -152,7 +160,7 @@ def _finish(
         "files": files,
         "created": time.time(),
     }
-    write_bytes_atomic(fs, join_url(path, MANIFEST), json.dumps(manifest, indent=1).encode())
+    write_bytes_atomic(fs, join_url(path, manifest_name), json.dumps(manifest, indent=1).encode())
 
 
 def checkpoint_format(path: str) -> str:

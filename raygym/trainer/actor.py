@@ -202,10 +202,12 @@ class TrainerActor:
         self._offloaded = False
 
     def save_checkpoint(
-        self, rollout_id: int, extra: dict[str, Any] | None = None, save_dir: str | None = None
+        self, rollout_id: int, extra: dict[str, Any] | None = None, save_dir: str | None = None,
+        commit: bool = True,
     ) -> str:
         """Save a sharded checkpoint to ``save_dir`` (default ``recipe.save``): every rank calls and writes its
-        own shards (``raygym.sharded_checkpoint``). Returns the checkpoint's URL."""
+        own shards (``raygym.sharded_checkpoint``). Returns the checkpoint's URL. ``commit=False``: it counts
+        only after :meth:`commit_checkpoint` (the loop commits once the step's rows are written)."""
         from raygym.sharded_checkpoint import save_sharded
 
         target = save_dir or self.settings.save
@@ -214,7 +216,14 @@ class TrainerActor:
         backend = self._live
         state = backend.checkpoint_state(include_optimizer=not self.settings.no_save_optim)
         return save_sharded(self._role_dir(target), rollout_id, state, rank=backend.rank,
-                            world_size=backend.world_size, extra=extra, hf_source=backend.model_path)
+                            world_size=backend.world_size, extra=extra, hf_source=backend.model_path, commit=commit)
+
+    def commit_checkpoint(self, url: str) -> bool:
+        """Complete a checkpoint saved with ``commit=False`` (rank 0 renames its manifest into place; the
+        directory is the one every rank wrote, so the trainer, not the driver, is sure to reach it)."""
+        from raygym.checkpoint_files import commit_manifest
+
+        return commit_manifest(url) if self.get_rank() == 0 else False
 
     def load_checkpoint(self, load_dir: str | None = None, rollout_id: int | None = None) -> dict[str, Any] | None:
         """Resume from the newest complete checkpoint in ``load_dir`` (default ``recipe.load``), or from

@@ -1,6 +1,7 @@
 """Fully asynchronous training (``--fully-async``) end to end on CPU with raygym's server: it learns, no sample
 is trained past ``max_staleness``, every weight update is verified while requests stay in flight, and a run
-killed with SIGKILL at random points and resumed from its checkpoints trains on every prompt exactly once —
+killed with SIGKILL the instant a checkpoint completes and at random points, and resumed from its checkpoints,
+logs every step once and trains on every prompt exactly once —
 compared with an uninterrupted run of the same command."""
 
 from __future__ import annotations
@@ -90,6 +91,23 @@ def wait_for_lines(proc: subprocess.Popen, out: Path, count: int) -> None:
         time.sleep(0.02)
 
 
+def wait_for_checkpoint(proc: subprocess.Popen, out: Path, step: int) -> None:
+    """Block until checkpoint ``step`` is complete (its manifest is in place): the worst instant for a kill
+    when the step's rows were written after the checkpoint. Polls every millisecond so the kill lands at once."""
+    manifest = out / "checkpoints" / f"iter_{step:07d}" / "manifest.json"
+    while not manifest.exists():
+        assert proc.poll() is None, (out.parent / f"{out.name}.log").read_text()[-3000:]
+        time.sleep(0.001)
+
+
+def assert_every_step_once(out: Path) -> list[dict[str, Any]]:
+    """Both per-step files list steps 0 .. STEPS-1 exactly once, in order; returns the prompts' rows."""
+    for name in ("metrics.jsonl", "prompts.jsonl"):
+        steps = [json.loads(line)["step"] for line in (out / name).read_text().splitlines()]
+        assert steps == list(range(STEPS)), f"{out.name}/{name}: steps {steps}"
+    return [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+
+
 def kill(proc: subprocess.Popen) -> None:
     os.kill(proc.pid, signal.SIGKILL)  # the driver, mid-step
     proc.wait()
@@ -111,8 +129,7 @@ def trained_and_pending(out: Path) -> tuple[list[list[int]], list[int], int]:
     """Prompt keys trained per step, the keys started and not trained at the end, the prompts started."""
     from raygym.checkpoint import latest_checkpoint, load_checkpoint
 
-    steps = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == list(range(STEPS))
+    steps = assert_every_step_once(out)
     last = latest_checkpoint(str(out / "checkpoints"))
     state: dict[str, Any] = load_checkpoint(last.path, load_optimizer=False).extra["data_state"]
     train = state["train"]
@@ -126,7 +143,10 @@ def test_sigkill_at_random_points_loses_and_repeats_no_prompt(tmp_path):
 
     killed = tmp_path / "b"
     rng = random.Random(20261205)
-    points = sorted(rng.sample(range(2, STEPS - 1), 3))
+    worst, *points = sorted(rng.sample(range(2, STEPS - 1), 3))
+    proc = start(killed)
+    wait_for_checkpoint(proc, killed, worst)  # the instant a checkpoint completes
+    kill(proc)
     for count in points:
         proc = start(killed)
         wait_for_lines(proc, killed, count)
@@ -149,14 +169,19 @@ def test_sigkill_at_random_points_loses_and_repeats_no_prompt(tmp_path):
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off"])
-def test_sigkill_mid_step_in_the_other_modes_trains_the_prompt_stream_in_order(tmp_path, mode):
-    """Synchronous and one-step-off runs are deterministic in their prompts: killed mid-step and resumed, they
-    train prompt stream positions 0, 1, 2, ... exactly once each, in order."""
+def test_sigkill_as_a_checkpoint_completes_and_mid_step_in_the_other_modes(tmp_path, mode):
+    """Synchronous and one-step-off runs are deterministic in their prompts: killed the instant a checkpoint
+    completes, then mid-step, and resumed each time, they log every step once and train prompt stream positions
+    0, 1, 2, ... exactly once each, in order."""
     out = tmp_path / mode
+    rng = random.Random(mode)
     proc = start(out, mode)
-    wait_for_lines(proc, out, random.Random(mode).randrange(3, STEPS - 3))
+    wait_for_checkpoint(proc, out, rng.randrange(1, 4))
+    kill(proc)
+    proc = start(out, mode)
+    wait_for_lines(proc, out, rng.randrange(5, STEPS - 1))
     kill(proc)
     finish(start(out, mode), out)
-    steps = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == list(range(STEPS))
+    assert (out.parent / f"{out.name}.log").read_text().count("resumed from") == 2
+    steps = assert_every_step_once(out)
     assert [k for s in steps for k in s["prompt_key"]] == list(range(STEPS * BATCH))
