@@ -55,6 +55,20 @@ def test_resume_skips_a_line_cut_by_a_kill(tmp_path):
     assert read_rows(tmp_path / "metrics.jsonl") == [{"step": 0, "a": 1}, {"step": 1, "a": 2}]
 
 
+def test_resume_keeps_one_row_per_step_in_both_files_and_rewrites_by_rename(tmp_path):
+    rows = [{"step": 0, "a": 1}, {"step": 1, "a": 1}, {"step": 1, "a": 2}, {"step": 2, "a": 3}]
+    for name in ("metrics.jsonl", "prompts.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = {name: (tmp_path / name).stat().st_ino for name in ("metrics.jsonl", "prompts.jsonl")}
+    with MetricsLogger(tmp_path, resume_from_step=2) as log:
+        log.make_durable()
+        assert log.history == [{"step": 0, "a": 1}, {"step": 1, "a": 2}]  # a step logged twice keeps its last row
+    for name, inode in before.items():
+        assert [r["step"] for r in read_rows(tmp_path / name)] == [0, 1]
+        assert (tmp_path / name).stat().st_ino != inode  # a new file renamed over the old: never half-written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "prompts.jsonl"]
+
+
 def test_phase_timer_accumulates_per_phase():
     timer = PhaseTimer()
     with timer.phase("train"):

@@ -49,6 +49,21 @@ def test_round_trip_manifest_last_and_whole_read(ckpt_dir):
     assert load_checkpoint(url, load_optimizer=False).optimizer_state is None
 
 
+def test_an_uncommitted_checkpoint_does_not_count_until_committed(ckpt_dir):
+    from raygym.checkpoint_files import commit_manifest
+
+    save_sharded(ckpt_dir, 3, state(1.0), rank=0, world_size=1)
+    url = save_sharded(ckpt_dir, 6, state(2.0), rank=0, world_size=1, commit=False)
+    assert latest_checkpoint(ckpt_dir).rollout_id == 3  # step 6's files are all there, its manifest pending
+    assert commit_manifest(url) and not commit_manifest(url)
+    info = latest_checkpoint(ckpt_dir)
+    assert info.rollout_id == 6 and "manifest.pending.json" not in info.manifest["files"]
+    assert torch.equal(load_checkpoint(info.path).model_state["b"], torch.full((3,), 2.0))
+    # saved again (a resumed run redoing the step): the old pending manifest goes with the old files
+    save_sharded(ckpt_dir, 6, state(4.0), rank=0, world_size=1, commit=False)
+    assert latest_checkpoint(ckpt_dir).rollout_id == 3
+
+
 def test_weights_only_checkpoint_loads_without_optimizer(ckpt_dir):
     saved = state(1.0)
     saved.optimizer = None  # no_save_optim
