@@ -24,8 +24,10 @@ Engine kinds:
   full tensors go to the model's ``load_weights`` between vLLM's layerwise-reload calls, over a torch
   process group (``flattened_bucket``), from a HF safetensors directory, or as CUDA IPC handles; deltas
   over the group or the disk are rebuilt into full tensors from a host snapshot each worker keeps.
-  Verification: the probe (vLLM's parameters are fused, TP-sharded and, on CPU, repacked into kernel
-  layouts, so no HF-named bytes exist to checksum).
+  Verification: exact checksums of the HF-named tensors the workers handed to ``load_weights`` (they keep
+  them; ``/raygym/weights_checksum``), and the probe for what loading does with them (vLLM's parameters are
+  fused, TP-sharded and, on CPU, repacked into kernel layouts: no HF-named bytes of them exist to checksum,
+  and vLLM 0.32's CPU MoE experts were served unpacked after every update, which only the probe saw).
 
 LoRA (``lora_rank > 0``): only the adapters are synced, in the form each kind takes (``lora``):
 
@@ -87,7 +89,13 @@ class EngineCapabilities:
     Attributes:
         kind: ``"raygym"``, ``"sglang"`` or ``"vllm"``.
         verification: ``"checksum"`` (exact bytes of every tensor) or ``"probe"`` (the engine's log-probs of
-            fixed token sequences against the trainer's forward pass).
+            fixed token sequences against the trainer's forward pass, with a tolerance calibrated per run:
+            :mod:`raygym.weightsync.probe`).
+        checksums: which per-tensor checksums the engine can give: ``"held"`` (of the weights it serves, by HF
+            name: raygym's server), ``"loaded"`` (of the HF-named tensors its weight updates loaded, before the
+            engine fused or repacked them: vLLM behind raygym's adapter; compared besides the probe),
+            ``"gpu"`` (stock SGLang's ``/weights_checker``, whose checksum works on CUDA only; raygym does not
+            call it yet: untested, so SGLang relies on the probe) or ``"no"``.
         full_transports / delta_transports: transports that carry a full / a delta payload to this kind.
         dist_format: how a bucket travels over ``/update_weights_from_distributed``: ``"raygym_bucket"``
             (raygym's manifest + buffer, applied by its custom loader) or ``"flattened_bucket"`` (HF-named
@@ -122,6 +130,7 @@ class EngineCapabilities:
 
     kind: str
     verification: str
+    checksums: str
     full_transports: frozenset[str]
     delta_transports: frozenset[str]
     dist_format: str
@@ -142,19 +151,19 @@ MODEL_LOADER = "raygym.weightsync.loader.load_payload_via_model"  # hands full t
 
 _CAPABILITIES = {
     "raygym": EngineCapabilities(
-        kind="raygym", verification="checksum",
+        kind="raygym", verification="checksum", checksums="held",
         full_transports=frozenset(TRANSPORTS), delta_transports=frozenset({"nccl", "disk"}),
         dist_format="raygym_bucket", delta_loader=DIRECT_LOADER, memory_release="always",
         accepts_api_key_env=True, double_buffer=True, lora="weights", inflight_update="swap", routed_experts="always",
     ),
     "sglang": EngineCapabilities(
-        kind="sglang", verification="probe",
+        kind="sglang", verification="probe", checksums="gpu",
         full_transports=frozenset(TRANSPORTS), delta_transports=frozenset({"disk"}),
         dist_format="flattened_bucket", delta_loader=MODEL_LOADER, memory_release="memory_saver",
         accepts_api_key_env=False, lora_on_cpu=False, routed_experts="gpu",
     ),
     "vllm": EngineCapabilities(
-        kind="vllm", verification="probe",
+        kind="vllm", verification="probe", checksums="loaded",
         full_transports=frozenset(TRANSPORTS), delta_transports=frozenset({"nccl", "disk"}),
         dist_format="flattened_bucket", delta_loader=MODEL_LOADER, memory_release="sleep_mode",
         accepts_api_key_env=True, lora_replace=True,

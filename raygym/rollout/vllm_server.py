@@ -26,8 +26,8 @@ from here). Routes map onto vLLM's engine as follows:
   ``/begin_weight_update`` / ``/end_weight_update`` -> ``start_weight_update`` / ``finish_weight_update``
   (an update sent outside a session gets one of its own), ``/update_weights_from_distributed``, ``_disk`` and
   ``_tensor`` -> ``update_weights`` with the chunk's description, ``/destroy_weights_update_group`` ->
-  ``shutdown_weight_transfer_engine``. There is no ``/raygym/weights_checksum``: raygym verifies vLLM by its
-  probe (see :mod:`raygym.engine_kinds`);
+  ``shutdown_weight_transfer_engine``; ``/raygym/weights_checksum`` answers the checksums of the HF-named
+  tensors the workers loaded (:mod:`raygym.rollout.vllm_verify`; the probe verifies the rest);
 - LoRA (``--lora-rank R``): ``/load_lora_adapter`` / ``/unload_lora_adapter`` -> ``add_lora`` / ``remove_lora``
   of ``LoRARequest``\\s, and a request's ``lora_path`` picks one (:mod:`raygym.rollout.vllm_lora`).
 
@@ -131,6 +131,7 @@ class VllmAdapter:
             Endpoint.UPDATE_WEIGHTS_FROM_DISK: self.update_weights_from_disk,
             Endpoint.UPDATE_WEIGHTS_FROM_TENSOR: self.update_weights_from_tensor,
             Endpoint.UPDATE_WEIGHT_VERSION: self.update_weight_version,
+            Endpoint.RAYGYM_WEIGHTS_CHECKSUM: self.weights_checksum,
             Endpoint.LOAD_LORA_ADAPTER: self.load_lora_adapter, Endpoint.UNLOAD_LORA_ADAPTER: self.unload_lora_adapter,
         })
         return app
@@ -450,6 +451,15 @@ class VllmAdapter:
                                                  "until a full update succeeds", "num_paused_requests": 0}
         return {"success": True, "num_paused_requests": 0,
                 "message": finished["message"] if finished else "Succeeded to receive the weights (session open)."}
+
+    @handles_errors
+    async def weights_checksum(self, request: web.Request) -> web.Response:
+        from raygym.rollout.vllm_verify import received_checksums
+
+        req = await parse(request, protocol.WeightsChecksum, required=False)
+        if req.shadow:
+            raise BadRequest("shadow=true: vLLM's adapter loads no shadow copy")
+        return web.json_response(await received_checksums(self.llm, req.names, self.weight_version))
 
     # ----- LoRA adapters -----
     @handles_errors

@@ -20,6 +20,12 @@ The backend speaks raygym's transports, so the trainer needs no vLLM:
   ``raygym`` (raygym buckets, full or delta: rebuilt into full tensors from the host snapshot this worker
   keeps of what it loaded). Full tensors go to the model's own ``load_weights``.
 
+Verification: each worker keeps the xxh3 checksum of every HF-named full tensor it handed to ``load_weights``
+(:meth:`RaygymWorkerExtension.raygym_received_checksums`, asked inside the session; a chunk counts once it loaded),
+which raygym's sync coordinator compares exactly with the sender's through ``/raygym/weights_checksum``.
+vLLM's own parameters are fused, sharded and (on CPU) repacked, so what loading does with those tensors is
+left to the log-prob probe.
+
 A chunk that fails is recorded and reported through :meth:`RaygymWorkerExtension.raygym_take_failure`
 (which the adapter asks after every chunk); the session still ends normally (layers not loaded keep their
 weights), nothing of that version enters the snapshot, and the sync coordinator resyncs in full.
@@ -45,7 +51,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from raygym.errors import WeightSyncError
 from raygym.rollout.weight_receiver import destroy_group
-from raygym.weightsync.codec import dtype_from_name
+from raygym.weightsync.codec import checksum, dtype_from_name
 from raygym.weightsync.loader import HostSnapshot
 from raygym.weightsync.tensor_pickle import loads_named_tensors
 from raygym.weightsync.transport_dist import join_group, receive_flattened, receive_tensors
@@ -103,6 +109,8 @@ class RaygymWeightTransferEngine(WeightTransferEngine[RaygymInitInfo, RaygymUpda
         self.groups: dict[str, tuple[Any, str]] = {}  # name -> (process group, backend)
         self.snapshot = HostSnapshot()
         self._staged: dict[str, torch.Tensor] = {}
+        self.received: dict[str, str] = {}  # HF name -> checksum of the tensor last loaded under that name
+        self._received_staged: dict[str, str] = {}
         self._reloading = False
         self.failure = ""  # why a chunk of the open session failed
         self.timeout_s = 600.0
@@ -132,7 +140,7 @@ class RaygymWeightTransferEngine(WeightTransferEngine[RaygymInitInfo, RaygymUpda
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        self._staged, self.failure = {}, ""
+        self._staged, self._received_staged, self.failure = {}, {}, ""
         initialize_layerwise_reload(self.model)
         self._reloading = True
 
@@ -146,7 +154,8 @@ class RaygymWeightTransferEngine(WeightTransferEngine[RaygymInitInfo, RaygymUpda
             finalize_layerwise_reload(self.model, self.model_config)
         if not self.failure:
             self.snapshot.commit(self._staged)  # only now: every chunk of this version was loaded
-        self._staged, self.failure = {}, ""
+            self.received.update(self._received_staged)
+        self._staged, self._received_staged, self.failure = {}, {}, ""
 
     def take_failure(self) -> str:
         """Why a chunk of the open session failed ("" when none did); the adapter asks after every chunk."""
@@ -163,17 +172,19 @@ class RaygymWeightTransferEngine(WeightTransferEngine[RaygymInitInfo, RaygymUpda
                 return
             if not self._reloading:
                 raise WeightSyncError("update_weights outside a weight-update session: call start_weight_update first")
-            digests: dict[str, str] = {}
+            acks: dict[str, str] = {}
             if update_info.payload == "raygym":
-                staged, digests = self.snapshot.apply(named)
+                staged, acks = self.snapshot.apply(named)
                 named = list(staged.items())
                 self._staged.update(staged)
+            digests = {name: checksum(t) for name, t in named}  # what the model is handed (a delta rebuilt in full)
             with torch.no_grad():
                 self.model.load_weights(named)
+            self._received_staged.update(digests)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             if update_info.ack_engine >= 0:
-                _write_ack(update_info.url, update_info.ack_engine, update_info.version, digests)
+                _write_ack(update_info.url, update_info.ack_engine, update_info.version, acks)
         except Exception as exc:
             self.failure = self.failure or f"{type(exc).__name__}: {exc}"
 
@@ -209,6 +220,13 @@ class RaygymWorkerExtension:
     def raygym_take_failure(self) -> str:
         """Why the last chunk of the open weight update failed on this worker ("" when it did not)."""
         return self._raygym_engine().take_failure()
+
+    def raygym_received_checksums(self, names: list[str] | None = None) -> dict[str, str]:
+        """Checksums of the HF-named tensors this worker's weight updates loaded (the latest of each name;
+        ``names``: only those); see the module docstring."""
+        engine = self._raygym_engine()
+        received = {**engine.received, **engine._received_staged}  # the sync coordinator asks inside the session
+        return received if names is None else {n: received[n] for n in names if n in received}
 
     def raygym_snapshot_size(self) -> int:
         """Tensors in this worker's host snapshot (the state a delta is applied to)."""

@@ -61,7 +61,7 @@ from raygym.engine_protocol import (
 )
 from raygym.errors import WeightSyncError
 from raygym.weightsync.engine_link import EngineLink, as_link, checked
-from raygym.weightsync.probe import EngineProbe, ProbeSpec, compare_logprobs
+from raygym.weightsync.probe import EngineProbe, ProbeCalibration, ProbeResult, ProbeSpec, compare_logprobs
 from raygym.weightsync.sender import SenderSpec
 from raygym.weightsync.sync_cost import ModeChoice, SyncCostModel, SyncSample
 
@@ -106,9 +106,13 @@ class WeightSync:
         self.spec = SenderSpec.from_recipe(recipe, list(self.links), engine_kind=engine_kind,
                                            **(spec_overrides or {}))
         self.verification = capabilities(engine_kind).verification
+        self.loaded_checksums = capabilities(engine_kind).checksums == "loaded"
         self.session = session
         self.probe = ProbeSpec()
         self.probe_tolerance = recipe.update_weight_probe_tolerance
+        self.calibration: ProbeCalibration | None = None  # the probe's tolerances, from the first sync's floor
+        self._before: ProbeResult | None = None  # the probe before the first sync (the engines' own weights)
+        self.colocate = recipe.colocate
         self.temperature = recipe.rollout_temperature
         self.full_interval = recipe.update_weight_full_interval
         self.pause_mode = recipe.update_weight_pause_mode
@@ -135,6 +139,8 @@ class WeightSync:
         force = self._force_full or (self.full_interval > 0 and self.syncs % self.full_interval == 0
                                      and self.syncs > 0)
         choice = self._choose(force)
+        if self._force_full and self._before is None:
+            self._probe_before_first_sync()
         refresh = True
         if choice is not None and choice.mode == "full":
             force, refresh = True, choice.refresh_snapshot
@@ -242,48 +248,90 @@ class WeightSync:
             result["metrics"]["sync/pause_s"] = time.perf_counter() - paused_at
         return result, error
 
-    def _probe(self, version: int, metrics: dict[str, float]) -> str | None:
-        """The engines' log-probs of a seeded probe against the trainer's; None when every engine agrees."""
+    def _probe_results(self) -> list[ProbeResult] | str:
+        """Every engine's probe against the trainer's forward pass, unjudged (an error message when an engine
+        could not answer)."""
         lora_path = None
         if self.spec.adapter_endpoints:  # the probe scores what rollouts get: the base plus the run's adapter
             from raygym.lora import ADAPTER_NAME
 
             lora_path = ADAPTER_NAME
         request = self.probe.generate_request(self.temperature, lora_path=lora_path)
-        answers, problems = [], []
+        answers = []
         for link in self.links:
             try:
-                answers.append(EngineProbe.from_answer(checked(link, Endpoint.GENERATE, request, self.timeout_s)))
+                answers.append(EngineProbe.from_answer(checked(link, Endpoint.GENERATE, request, self.timeout_s),
+                                                       request))
             except (WeightSyncError, ValueError, KeyError) as exc:
                 return f"{link.name}: probe generation failed: {exc}"
-        prompts = [list(p) for p in self.probe.prompts]
-        worst = None
-        for link, answer in zip(self.links, answers, strict=True):
-            trainer = _invoke_all(self.trainers, "probe_log_probs", prompts, answer.responses,
+        results = []
+        for answer in answers:
+            trainer = _invoke_all(self.trainers, "probe_log_probs", answer.prefixes, answer.responses,
                                   timeout=self.timeout_s)[0]
-            result = compare_logprobs(answer.logprobs, trainer, self.probe_tolerance)
-            if worst is None or result.mean_abs_diff > worst.mean_abs_diff:
-                worst = result
-            if not result.ok:
-                problems.append(f"{link.name}: probe log-probs differ from the trainer's by {result.mean_abs_diff:.4f} "
-                                f"on average (max {result.max_abs_diff:.4f}; update_weight_probe_tolerance="
-                                f"{self.probe_tolerance}) at version {version}")
-        assert worst is not None
-        metrics.update({"sync/probe_tokens": float(worst.tokens), "sync/probe_logprob_diff_mean": worst.mean_abs_diff,
-                        "sync/probe_logprob_diff_max": worst.max_abs_diff})
+            results.append(compare_logprobs(answer.logprobs, trainer, self.probe_tolerance))
+        return results
+
+    def _probe_before_first_sync(self) -> None:
+        """The probe on the weights the engines loaded themselves, before the first sync replaces them (part
+        of the calibration; skipped when colocated, where engines may hold no memory for generation yet)."""
+        if self.verification != "probe" or self.calibration is not None or self.colocate:
+            return
+        results = self._probe_results()
+        if not isinstance(results, str):
+            self._before = ProbeResult(min(r.tokens for r in results), max(r.mean_abs_diff for r in results),
+                                       max(r.max_abs_diff for r in results), True)
+
+    def _probe(self, version: int, metrics: dict[str, float]) -> str | None:
+        """The engines' log-probs of a seeded probe against the trainer's; None when every engine agrees.
+
+        The first sync calibrates the tolerances (:meth:`ProbeCalibration.from_first_sync`: the noise floor on
+        identical weights, capped on the mean by ``update_weight_probe_tolerance``)."""
+        results = self._probe_results()
+        if isinstance(results, str):
+            return results
+        mean = max(r.mean_abs_diff for r in results)
+        worst = max(r.max_abs_diff for r in results)
+        cal = self.calibration
+        if cal is None:
+            cal = ProbeCalibration.from_first_sync(ProbeResult(min(r.tokens for r in results), mean, worst, True),
+                                                   self._before, cap=self.probe_tolerance)
+        problems = []
+        for link, result in zip(self.links, results, strict=True):
+            if not cal.judge(result).ok:
+                problems.append(f"{link.name}: probe log-probs differ from the trainer's by {result.mean_abs_diff:.2e} "
+                                f"on average, {result.max_abs_diff:.2e} at worst over {result.tokens} tokens "
+                                f"(tolerances {cal.tolerance:.2e} / {cal.max_tolerance:.2e}, from a noise floor of "
+                                f"{cal.floor_mean:.2e} / {cal.floor_max:.2e}; update_weight_probe_tolerance="
+                                f"{self.probe_tolerance} caps the mean's) at version {version}")
+        if not problems:
+            self.calibration = cal
+        metrics.update({"sync/probe_tokens": float(min(r.tokens for r in results)),
+                        "sync/probe_logprob_diff_mean": mean, "sync/probe_logprob_diff_max": worst,
+                        "sync/probe_floor_mean": cal.floor_mean, "sync/probe_floor_max": cal.floor_max,
+                        "sync/probe_tolerance": cal.tolerance, "sync/probe_tolerance_max": cal.max_tolerance,
+                        "sync/probe_margin": max(mean / cal.tolerance, worst / cal.max_tolerance)})
         return "; ".join(problems) or None
 
     def _all(self, endpoint: Endpoint, body: Any) -> None:
         for link in self.links:
             checked(link, endpoint, body, self.timeout_s)
 
+    @property
+    def compares_checksums(self) -> bool:
+        """Whether syncs compare per-tensor checksums: of the weights held (raygym's server), or of the tensors
+        the engine's workers loaded (vLLM behind raygym's adapter; not for adapters loaded by endpoint)."""
+        return self.verification == "checksum" or (self.loaded_checksums and not self.spec.adapter_endpoints)
+
     def verify(self, version: int, expected: dict[str, str], shadow: bool = False) -> list[str]:
         """Engines whose weight version or checksums differ from ``expected`` (descriptions); ``shadow``:
         of the copy a double-buffered update loaded, before it is served."""
         if self.verification == "probe":
-            return self.verify_versions(version)
-        # LoRA: the adapters only (the base weights never change, hashing them every sync would cost a full pass)
-        names = sorted(expected) if self.spec.adapter_config is not None else None
+            bad = self.verify_versions(version)
+            if bad or not self.compares_checksums:
+                return bad
+        # LoRA: the adapters only (the base weights never change, hashing them every sync would cost a full pass);
+        # loaded checksums: the names sent (the engine knows only what it loaded)
+        names = sorted(expected) if self.spec.adapter_config is not None or self.loaded_checksums else None
         body = WeightsChecksum(names=names, shadow=True) if shadow else WeightsChecksum(names=names)
 
         def ask(link: EngineLink) -> WeightsChecksumResponse | str:
@@ -342,9 +390,10 @@ class WeightSync:
         if bad:
             _invoke(self.trainers[0], "discard_weights", timeout=self.timeout_s)
             return result, "; ".join(bad)
-        checked_key = "sync/verified_versions" if self.verification == "probe" else "sync/verified_tensors"
-        result["metrics"][checked_key] = float(len(self.links) if self.verification == "probe"
-                                               else len(result["checksums"]) * len(self.links))
+        if self.verification == "probe":
+            result["metrics"]["sync/verified_versions"] = float(len(self.links))
+        if self.compares_checksums:
+            result["metrics"]["sync/verified_tensors"] = float(len(result["checksums"]) * len(self.links))
         return result, None
 
     def _pause(self) -> None:

@@ -1,16 +1,30 @@
 """Verifying weights an engine will not checksum: a probe of log-probs (pure; no torch, no ray).
 
-After a sync, every engine generates a few tokens from fixed prompts with a fixed seed and reports the
-log-prob of each sampled token; the trainer scores the same tokens with its own forward pass. An engine
-whose weights are not the trainer's (a tensor dropped, a bucket misapplied, a stale version) disagrees by
-far more than the numerical noise between the two (bf16 kernels on the engine, fp32 on a CPU trainer).
+After a sync, every engine answers one ``/generate`` request: a few seeded samples from fixed prompts, and
+fixed token sequences it scores teacher-forced (``input_token_logprobs``, when the run samples at temperature
+1, where the engines' raw prompt log-probs are the trainer's). The trainer scores the same tokens with its own
+forward pass. An engine whose weights are not the trainer's (a tensor dropped, a bucket misapplied, a stale
+version) disagrees by more than the numerical noise between the two (bf16 kernels on the engine, fp32 on a
+CPU trainer).
+
+How much more is calibrated per run (:class:`ProbeCalibration`): the first sync loads identical weights, so
+its differences (and, before it, those of the weights the engines loaded themselves) are the noise floor of
+this engine, dtype and model; every later sync must stay within a few times that floor (with small absolute
+minimums), on the mean and on the worst token. A fixed
+tolerance cannot do this: 0.1 is three orders of magnitude above the float32 floor (~1e-4) and let wrong
+MoE experts (0.05-0.18 off) and a 0.11 worst token through.
 
 >>> p = ProbeSpec()
 >>> request = p.generate_request(temperature=1.0)
->>> request.input_ids[0][:4], request.sampling_params[0]["max_new_tokens"]
-([1, 2, 3, 4], 8)
+>>> request.input_ids[0][:4], request.sampling_params[0]["max_new_tokens"], len(request.input_ids)
+([1, 2, 3, 4], 8, 6)
 >>> compare_logprobs([[-1.0, -2.0]], [[-1.01, -2.03]], tolerance=0.05)
 ProbeResult(tokens=2, mean_abs_diff=0.02, max_abs_diff=0.03, ok=True)
+>>> c = ProbeCalibration.measure(floor_mean=2e-5, floor_max=1e-4, cap=0.1)
+>>> c.judge(compare_logprobs([[-1.0, -2.0]], [[-1.0001, -2.0]], tolerance=c.tolerance)).ok
+True
+>>> c.judge(compare_logprobs([[-1.0] * 9 + [-2.0]], [[-1.0] * 9 + [-2.002]], tolerance=c.tolerance)).ok  # one token
+False
 """
 
 from __future__ import annotations
@@ -20,45 +34,109 @@ from typing import Any
 
 from raygym.engine_protocol import GenerateRequest
 
+# Calibration (see ProbeCalibration), from measurements on the builtin tiny Qwen3 (docs/engines.md, "The probe"):
+# over 200 honest syncs of a bf16 engine whose model moved far (lr 1e-2), the mean difference stayed within
+# 0.4x-2.1x of the first sync's and the worst token within 0.6x-8x of its (single tokens spike: bf16 decode
+# against an fp32 forward); float32 engines match to 1e-7..1e-6. One mid-layer tensor scaled by 1.01 moved the
+# float32 probe by 1e-4 (mean) / 5e-4 (worst): the minimums below must stay under that.
+FACTOR = 4.0  # on the mean
+MAX_FACTOR = 16.0  # on the worst token
+MIN_MEAN = 1e-5  # absolute floors of the tolerances: a float32 engine may match the trainer bit for bit
+MIN_MAX = 1e-4
+SAME_WEIGHTS = 2.0  # two measurements within this ratio of means (plus MIN_MEAN) saw the same weights
+
+
+def _sequence(seed: int, length: int, low: int, high: int) -> tuple[int, ...]:
+    """A fixed pseudo-random token sequence in ``[low, high)`` (an LCG: the same on every host and Python)."""
+    state, out = seed, []
+    for _ in range(length):
+        state = (state * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        out.append(low + (state >> 33) % (high - low))
+    return tuple(out)
+
 
 @dataclass(frozen=True)
 class ProbeSpec:
-    """Fixed prompts (token ids small enough for any vocabulary) and how much to generate."""
+    """Fixed prompts to sample from and fixed sequences to score (token ids small enough for any vocabulary:
+    the builtin tiny model has 50).
+
+    ``scored`` sequences of ``scored_len`` tokens are scored teacher-forced at temperature 1: every position
+    is one more token compared for the price of one prefill, so a wrong tensor shows on many tokens."""
 
     prompts: tuple[tuple[int, ...], ...] = ((1, 2, 3, 4, 5, 6, 7, 8), (9, 10, 11, 12, 13, 14, 15, 3))
     new_tokens: int = 8
     seed: int = 20240601
+    scored: int = 4
+    scored_len: int = 48
+    token_range: tuple[int, int] = (2, 48)
+
+    def sequences(self) -> list[list[int]]:
+        """The teacher-forced sequences (deterministic in ``seed``).
+
+        >>> ProbeSpec(scored=1, scored_len=5).sequences()
+        [[6, 9, 29, 45, 25]]
+        """
+        low, high = self.token_range
+        return [list(_sequence(self.seed + i, self.scored_len, low, high)) for i in range(self.scored)]
+
+    def teacher_forced(self, temperature: float) -> bool:
+        """Whether prompt log-probs are compared: engines report them from raw logits (SGLang, vLLM's
+        ``prompt_logprobs`` and raygym's server alike), which the trainer scores only at temperature 1."""
+        return temperature == 1.0 and self.scored > 0
 
     def generate_request(self, temperature: float, lora_path: str | None = None) -> GenerateRequest:
-        """The ``/generate`` request: one seeded sample per prompt, unfiltered, with output log-probs (``lora_path``:
-        generated with that loaded adapter)."""
+        """The ``/generate`` request: one seeded sample per prompt, unfiltered, with output log-probs, then (at
+        temperature 1) the scored sequences with their prompt log-probs (``lora_path``: with that adapter)."""
         params = [{"max_new_tokens": self.new_tokens, "temperature": temperature, "top_p": 1.0, "top_k": -1,
                    "ignore_eos": True, "sampling_seed": self.seed + i} for i in range(len(self.prompts))]
-        return GenerateRequest(input_ids=[list(p) for p in self.prompts], sampling_params=params, return_logprob=True,
-                               lora_path=lora_path)
+        inputs = [list(p) for p in self.prompts]
+        if not self.teacher_forced(temperature):
+            return GenerateRequest(input_ids=inputs, sampling_params=params, return_logprob=True, lora_path=lora_path)
+        scored = self.sequences()
+        params += [{**params[0], "max_new_tokens": 1, "sampling_seed": self.seed + len(inputs) + i}
+                   for i in range(len(scored))]
+        return GenerateRequest(input_ids=inputs + scored, sampling_params=params, return_logprob=True,
+                               logprob_start_len=0, lora_path=lora_path)
 
 
 @dataclass(frozen=True)
 class EngineProbe:
-    """What one engine generated for the probe: per prompt, its tokens and their log-probs."""
+    """What one engine answered: per request item, the tokens the trainer must score after ``prefixes`` and
+    the engine's log-probs of them (the scored prompt's tokens after its first, then the generated ones)."""
 
+    prefixes: list[list[int]] = field(default_factory=list)
     responses: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
 
     @classmethod
-    def from_answer(cls, answer: Any) -> EngineProbe:
+    def from_answer(cls, answer: Any, request: GenerateRequest) -> EngineProbe:
         """Read the answer to :meth:`ProbeSpec.generate_request` (a list of
-        :class:`~raygym.engine_protocol.GenerateResponse`, one per prompt)."""
+        :class:`~raygym.engine_protocol.GenerateResponse`, one per item of ``request``). Items whose prompt
+        log-probs were asked for are scored from their first token on."""
         if not isinstance(answer, list):
             raise ValueError(f"probe: expected a list of answers, got {type(answer).__name__}")
-        responses, logprobs = [], []
-        for item in answer:
+        inputs = [p for p in request.input_ids or [] if isinstance(p, list)]
+        if len(inputs) != len(answer):
+            raise ValueError(f"probe: {len(answer)} answers to {len(inputs)} prompts")
+        forced = request.logprob_start_len == 0
+        prefixes, responses, logprobs = [], [], []
+        for prompt, item in zip(inputs, answer, strict=True):
             if not item.meta_info.output_token_logprobs:
                 raise ValueError("probe: an answer carries no output_token_logprobs")
             tokens, values = item.tokens_and_logprobs()
-            responses.append(tokens)
-            logprobs.append(values)
-        return cls(responses, logprobs)
+            if forced and len(prompt) > 1:
+                entries = item.meta_info.input_token_logprobs or []
+                scored = [float(e[0]) for e in entries[1:] if e and e[0] is not None]
+                if len(scored) != len(prompt) - 1:
+                    raise ValueError(f"probe: {len(scored)} prompt log-probs for a prompt of {len(prompt)} tokens")
+                prefixes.append(prompt[:1])
+                responses.append(prompt[1:] + tokens)
+                logprobs.append(scored + values)
+            else:
+                prefixes.append(prompt)
+                responses.append(tokens)
+                logprobs.append(values)
+        return cls(prefixes, responses, logprobs)
 
 
 @dataclass(frozen=True)
@@ -69,8 +147,10 @@ class ProbeResult:
     ok: bool
 
 
-def compare_logprobs(engine: list[list[float]], trainer: list[list[float]], tolerance: float) -> ProbeResult:
-    """Mean and max absolute difference over every token; ``ok`` when the mean is within ``tolerance``."""
+def compare_logprobs(engine: list[list[float]], trainer: list[list[float]], tolerance: float,
+                     max_tolerance: float | None = None) -> ProbeResult:
+    """Mean and max absolute difference over every token; ``ok`` when the mean is within ``tolerance`` and
+    (when given) the worst token within ``max_tolerance``."""
     diffs: list[float] = []
     for e_row, t_row in zip(engine, trainer, strict=True):
         if len(e_row) != len(t_row):
@@ -78,5 +158,59 @@ def compare_logprobs(engine: list[list[float]], trainer: list[list[float]], tole
         diffs.extend(abs(a - b) for a, b in zip(e_row, t_row, strict=True))
     if not diffs:
         return ProbeResult(0, 0.0, 0.0, False)
-    mean = round(sum(diffs) / len(diffs), 6)
-    return ProbeResult(len(diffs), mean, round(max(diffs), 6), mean <= tolerance)
+    mean, worst = sum(diffs) / len(diffs), max(diffs)
+    ok = mean <= tolerance and (max_tolerance is None or worst <= max_tolerance)
+    return ProbeResult(len(diffs), round(mean, 7), round(worst, 7), ok)
+
+
+@dataclass(frozen=True)
+class ProbeCalibration:
+    """Tolerances of one run's probe, from its noise floor: the differences the first sync measured, when
+    engine and trainer held identical weights.
+
+    ``tolerance`` (mean) = ``max(FACTOR * floor_mean, MIN_MEAN)``, at most ``cap`` (the user's
+    ``update_weight_probe_tolerance``); ``max_tolerance`` (worst token) = ``max(MAX_FACTOR * floor_max, MIN_MAX)``.
+
+    >>> c = ProbeCalibration.measure(floor_mean=0.001, floor_max=0.004, cap=0.1)
+    >>> round(c.tolerance, 6), round(c.max_tolerance, 6)
+    (0.004, 0.064)
+    >>> round(ProbeCalibration.measure(floor_mean=0.05, floor_max=0.3, cap=0.1).tolerance, 6)
+    0.1
+    """
+
+    floor_mean: float
+    floor_max: float
+    tolerance: float
+    max_tolerance: float
+
+    @classmethod
+    def measure(cls, floor_mean: float, floor_max: float, cap: float) -> ProbeCalibration:
+        """The calibration for a noise floor of ``floor_mean`` / ``floor_max``."""
+        return cls(floor_mean, floor_max, min(cap, max(FACTOR * floor_mean, MIN_MEAN)),
+                   max(MAX_FACTOR * floor_max, MIN_MAX))
+
+    @classmethod
+    def from_first_sync(cls, after: ProbeResult, before: ProbeResult | None, cap: float) -> ProbeCalibration:
+        """The floor from the first sync's probe (``after``) and, where it ran, the probe of the weights the
+        engines loaded themselves, taken just before (``before``). A fresh run's trainer is at most one step
+        from the checkpoint, so both saw the same weights: the floor is the larger of the two (more of the
+        noise's tail). Where they disagree, the smaller one saw the same weights: a resumed run's ``before``
+        compares the checkpoint with the resumed weights; an ``after`` far above ``before`` means the first
+        update itself broke something (vLLM's unpacked CPU MoE experts did), and then it fails.
+
+        >>> fresh = ProbeCalibration.from_first_sync(ProbeResult(9, 1e-3, 4e-3, True), ProbeResult(9, 8e-4, 5e-3, True), 0.1)
+        >>> fresh.floor_mean, fresh.floor_max
+        (0.001, 0.005)
+        >>> broken = ProbeCalibration.from_first_sync(ProbeResult(9, 0.03, 0.15, True), ProbeResult(9, 1e-5, 1e-4, True), 0.1)
+        >>> broken.judge(ProbeResult(9, 0.03, 0.15, True)).ok
+        False
+        """
+        seen = [after] if before is None or before.tokens == 0 else [before, after]
+        low = min(r.mean_abs_diff for r in seen)
+        same = [r for r in seen if r.mean_abs_diff <= SAME_WEIGHTS * low + MIN_MEAN]
+        return cls.measure(max(r.mean_abs_diff for r in same), max(r.max_abs_diff for r in same), cap)
+
+    def judge(self, result: ProbeResult) -> ProbeResult:
+        """``result`` with ``ok`` decided by these tolerances."""
+        ok = result.tokens > 0 and result.mean_abs_diff <= self.tolerance and result.max_abs_diff <= self.max_tolerance
+        return ProbeResult(result.tokens, result.mean_abs_diff, result.max_abs_diff, ok)
