@@ -152,6 +152,8 @@ class EngineFleet:
         live = self._alive([i for i, state in enumerate(states) if state not in ("dead", "lost")])
         if not live:
             raise RaygymError(f"every rollout engine is dead and could not be restarted (states {states})")
+        if live == self.synced and all(states[i] == "healthy" for i in live):
+            return {}  # only engines that missed a sync and still do not answer are out: nothing to re-form
         if live != self.synced:
             self.say(f"[yellow]engines changed: re-forming the weight sync over engines {live}[/]")
         self._rebuild(live)

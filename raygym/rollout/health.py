@@ -43,17 +43,19 @@ class EngineRequestError(RaygymError):
     """The engine answered, but rejected the request (4xx): retrying elsewhere would not help."""
 
 
+def _batch_size(request: GenerateRequest) -> int | None:
+    """The number of prompts of a batched ``request`` (SGLang's list form); None for one prompt."""
+    ids, text = request.input_ids, request.text
+    if isinstance(text, list):
+        return len(text)
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    return None
+
+
 def request_rows(request: GenerateRequest) -> int:
     """Prompts in ``request``: a batch's length, else 1."""
-    for prompts in (request.input_ids, request.text):
-        if isinstance(prompts, list) and (not prompts or isinstance(prompts[0], (list, str))):
-            return len(prompts)
-    return 1
-
-
-def _batched(request: GenerateRequest) -> bool:
-    ids, text = request.input_ids, request.text
-    return isinstance(text, list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
+    return _batch_size(request) or 1
 
 
 def answer_count_problem(request: GenerateRequest, answer: GenerateResponse | list[GenerateResponse]) -> str | None:
@@ -67,9 +69,9 @@ def answer_count_problem(request: GenerateRequest, answer: GenerateResponse | li
     True
     """
     params = request.sampling_params
-    per_prompt = params.get("n", 1) if isinstance(params, dict) else 1
-    expected = request_rows(request) * (per_prompt if isinstance(per_prompt, int) else 1)
-    if not _batched(request) and expected == 1:
+    n = params.get("n", 1) if isinstance(params, dict) else 1  # samples per prompt (raygym sends 1)
+    expected = request_rows(request) * (n if isinstance(n, int) else 1)
+    if _batch_size(request) is None and expected == 1:
         return None if not isinstance(answer, list) else f"1 prompt answered with a list of {len(answer)} outputs"
     got = len(answer) if isinstance(answer, list) else 1
     return None if got == expected else f"{request_rows(request)} prompts answered with {got} outputs"
