@@ -98,8 +98,9 @@ class EngineFleet:
 
     def push(self, version: int) -> dict[str, float]:
         """Make every reachable engine serve ``version``. With fault tolerance, engines restarted since the
-        last sync are brought in first, and an engine whose server died mid-push is left out (the manager
-        restarts it on its next failed request; the next sync brings it back) instead of failing the run."""
+        last sync are brought in first, and an engine whose server died mid-push (or whose actor does not
+        answer) is left out instead of failing the run: it leaves the manager's rotation at once, a dead server
+        is restarted, and the next sync that reaches it brings it back."""
         out = self.recover() if self.recipe.use_fault_tolerance else {}
         try:
             out.update(self.weight_sync.push(version))
