@@ -257,7 +257,7 @@ class EnginePool:
                 if left <= 0:
                     raise NoHealthyEngineError(
                         f"no healthy rollout engine for {self.no_engine_timeout:.0f}s; engines needing "
-                        f"weights {self.router.needing_weights()} (the driver must call mark_engine_synced), "
+                        f"weights {self.router.needing_weights()} (a verified sync must reach them: apply_sync), "
                         f"dead {[i for i in range(self.router.num_engines) if self.router.state(i) == DEAD]}, "
                         f"lost {[i for i in range(self.router.num_engines) if self.router.state(i) == LOST]}"
                     ) from None
