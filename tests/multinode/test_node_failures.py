@@ -162,6 +162,37 @@ def test_engine_node_dies_mid_rollout_and_returns(nodes_up: LocalCluster, tmp_pa
     wait_released(cluster)
 
 
+def test_a_partitioned_engine_node_has_its_requests_moved_at_the_health_check(nodes_up: LocalCluster,
+                                                                               tmp_path: Path) -> None:
+    """The engine node's link is cut mid-rollout: nothing resets the connections, so its requests in flight
+    would wait for their timeout (600 s). The health check (2 s here) marks the engine failed and the requests
+    move to the other engine at once; the run goes on with one engine, and with two once the node is back."""
+    cluster, steps = nodes_up, 12
+    # full-length responses: a rollout long enough that the cut lands while requests are in flight
+    run = [*RUN, "--rollout-health-check-interval", "2", "--rollout-health-check-timeout", "2",
+           "--sglang-request-params", '{"ignore_eos": true}']
+    job = Job(cluster, tmp_path / "run", [*run, "--num-rollout", str(steps), "--save-interval", "100"])
+    job.wait_until(lambda: len(job.rows()) >= 2, "the first two steps")
+    link = cluster.nodes["w2"].host_if  # engine 0's node, as the layout test above finds
+    subprocess.run(["ip", "link", "set", link, "down"], check=True)  # step 2's rollout is in flight
+    try:
+        cluster.wait_dead("w2")
+    finally:
+        subprocess.run(["ip", "link", "set", link, "up"], check=True)
+    cluster.kill_node("w2")  # the raylet Ray declared dead stops anyway; the node comes back fresh
+    cluster.start_node("w2")
+    assert job.wait_end() == "SUCCEEDED", job.logs()[-4000:]
+
+    rows = job.rows()
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert all(r["rollout/samples"] == 64 for r in rows)
+    assert sum(r["rollout/requests_moved"] for r in rows) >= 1  # taken off the silent engine, not timed out
+    assert sum(r["rollout/engine_failures"] for r in rows) >= 1
+    assert all(r["rollout/malformed_answers"] == 0 for r in rows)
+    assert_every_position_once(job.out, steps)
+    wait_released(cluster)
+
+
 def test_trainer_node_dies_and_the_resubmitted_run_resumes(nodes_up: LocalCluster, tmp_path: Path) -> None:
     cluster, steps, out = nodes_up, 8, tmp_path / "run"
     args = [*RUN, "--num-rollout", str(steps), "--save-interval", "2",  # checkpoints after steps 1, 3, 5, 7

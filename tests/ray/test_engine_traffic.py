@@ -153,7 +153,7 @@ def leave_by_missed_sync(pool: EnginePool) -> None:
 @pytest.mark.parametrize("leave", [leave_by_health_check, leave_as_lost, leave_by_missed_sync],
                          ids=["health_check", "lost", "missed_sync"])
 def test_a_request_in_flight_moves_at_once_when_its_engine_leaves_rotation(ray_local, leave) -> None:
-    interval = 0.2
+    interval = 0.5
 
     async def body(servers: list[FakeEngine], handles: list[Any]) -> None:
         pool = EnginePool(handles, request_timeout=REQUEST_TIMEOUT_S, health_interval=interval,
@@ -171,7 +171,7 @@ def test_a_request_in_flight_moves_at_once_when_its_engine_leaves_rotation(ray_l
             engine, outputs = await asyncio.wait_for(request, timeout=10 * interval + 5)
             moved_in = time.monotonic() - left
             assert engine == 1 and isinstance(outputs, list) and len(outputs) == 2
-            assert moved_in < 5 * interval, f"the request moved {moved_in:.2f}s after its engine left"
+            assert moved_in < 4 * interval, f"the request moved {moved_in:.2f}s after its engine left"
             assert pool.moved == 1 and pool.retries == 1 and pool.routed_rows == [2, 2]
             await asyncio.wait_for(servers[0].dropped.wait(), 10)  # cancelled on the silent engine, not left there
             assert pool.router.state(0) in (DEAD, LOST, NEEDS_WEIGHTS)
