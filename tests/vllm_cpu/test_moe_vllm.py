@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 
 from raygym.builtin import TINY_MOE_MODEL, materialize_model
+from raygym.errors import WeightSyncError
 from raygym.rollout.engine import EngineActor
 from raygym.weightsync import moe_names
 from raygym.weightsync.coordinator import WeightSync
 from tests.vllm_cpu.test_vllm_engine import generate, hf_logprobs, recipe
+from tests.weightsync.faults import FAULTS, FaultyTrainer, syncs_without_false_alarm
 from tests.weightsync.local_trainer import LocalTrainer
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(1500)]
@@ -108,5 +110,39 @@ def test_vllm_takes_the_fused_names_too(moe_engine, vllm_python, moe_model, monk
     try:
         assert sync.push(7)["sync/verified_versions"] == 1.0
         assert serves(moe_engine, trainer) < tolerance()
+    finally:
+        sync.shutdown()
+
+
+EXPERT = 3
+EXPERTS_TENSOR = "model.layers.1.mlp.experts.down_proj"  # transformers 5's fused in-memory name: [experts, ...]
+
+
+class OneExpertWrong(FaultyTrainer):
+    """Sends expert 3's down_proj of layer 1 wrong (one step stale, or scaled by 1.01); the rest is right."""
+
+    def wrong(self, name, current, fault):
+        whole = super().wrong(name, current, fault)
+        out = current.clone()
+        out[EXPERT] = whole[EXPERT]
+        return out
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_one_wrong_expert_fails_the_calibrated_probe(moe_engine, vllm_python, moe_model, fault):
+    """float32: the probe, calibrated at the first sync, sees one expert of one layer wrong; honest syncs pass."""
+    trainer = OneExpertWrong(moe_model, lr=1e-3)
+    sync = make_sync(moe_engine, vllm_python, trainer)
+    try:
+        first = sync.push(1)
+        history = syncs_without_false_alarm(sync, trainer, 2, 2)
+        print(f"vLLM MoE float32: floor {first['sync/probe_floor_mean']:.2e} / {first['sync/probe_floor_max']:.2e}, "
+              f"worst margin {max(m['sync/probe_margin'] for m in history):.2f}")
+        trainer.arm(EXPERTS_TENSOR, fault)
+        with pytest.raises(WeightSyncError, match="probe log-probs differ") as failed:
+            sync.push(4)
+        print(failed.value)
+        trainer.disarm()
+        assert sync.push(5)["sync/resynced"] == 0.0
     finally:
         sync.shutdown()

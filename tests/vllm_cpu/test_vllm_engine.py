@@ -21,6 +21,14 @@ from raygym.rollout.engine import EngineActor
 from raygym.rollout.vllm_server import cpu_dtype
 from raygym.weightsync.coordinator import WeightSync
 from tests.vllm_cpu.conftest import LONG_CONTEXT
+from tests.weightsync.faults import (
+    ATTENTION_TENSOR,
+    FAULTS,
+    MLP_TENSOR,
+    FaultyTrainer,
+    TamperingLink,
+    syncs_without_false_alarm,
+)
 from tests.weightsync.local_trainer import LocalTrainer
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(1500)]
@@ -288,3 +296,75 @@ def test_an_update_mid_generation_splits_the_response_into_two_versions(engine, 
                                                          max_new_tokens=LONG_CONTEXT - 16)
     finally:
         sync.shutdown()
+
+
+# ----- issue 39: verification catches one wrong tensor -----
+
+
+def engine_dtype(engine) -> torch.dtype:
+    return torch.float32 if engine.engine_info()["dtype"] == "float32" else torch.bfloat16
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_one_wrong_tensor_the_engine_loaded_fails_its_checksums(engine, vllm_python, vllm_model, fault, tmp_path):
+    """The workers' checksums of what they loaded see a tensor left stale or scaled by 1.01 in the engine (here
+    rewritten in the version directory between the sender and the engine)."""
+    trainer = FaultyTrainer(vllm_model, lr=1e-5)
+    link = TamperingLink(engine.url(), trainer, disk=True)
+    sync = WeightSync(recipe(vllm_python, update_weight_transport="disk", update_weight_disk_dir=str(tmp_path)),
+                      [trainer], [link], engine_kind="vllm", session=True,
+                      spec_overrides={"master_address": "127.0.0.1"})
+    sync.setup()
+    try:
+        assert sync.push(1)["sync/verified_tensors"] == len(list(trainer.hf_weights()))
+        trainer.arm(MLP_TENSOR, fault)
+        trainer.disarm()
+        link.armed = (MLP_TENSOR, fault)
+        with pytest.raises(WeightSyncError, match=r"1 tensor\(s\) differ \['" + MLP_TENSOR):
+            sync.push(2)
+        link.armed = None
+        assert sync.push(3)["sync/resynced"] == 0.0
+    finally:
+        sync.shutdown()
+
+
+@pytest.mark.parametrize(("fault", "name"), [("stale", MLP_TENSOR), ("scaled", ATTENTION_TENSOR)])
+def test_one_wrong_tensor_the_trainer_sent_fails_the_calibrated_probe(engine, vllm_python, vllm_model, fault, name):
+    """What was sent arrived (checksums agree), but it is not the trainer's model: the probe, calibrated at
+    the first sync, sees it. In bf16 a tensor scaled by 1.01, or one step of 1e-3 behind, is within the noise
+    of bf16 kernels against an fp32 trainer (measured: it moves the probe by less than the floor), so there the
+    fault is 1.1 and a step of 1e-2; float32 engines see 1.01 (tests/vllm_cpu/test_moe_vllm.py too)."""
+    fp32 = engine_dtype(engine) == torch.float32
+    trainer = FaultyTrainer(vllm_model, lr=1e-3 if fp32 else 1e-2, scale=1.01 if fp32 else 1.1)
+    sync = make_sync(engine, vllm_python, trainer)
+    try:
+        first = sync.push(1)
+        print(f"vLLM {engine.engine_info()['dtype']}: floor {first['sync/probe_floor_mean']:.2e} / "
+              f"{first['sync/probe_floor_max']:.2e} over {first['sync/probe_tokens']:.0f} tokens")
+        trainer.arm(name, fault)
+        with pytest.raises(WeightSyncError, match="probe log-probs differ") as failed:
+            sync.push(2)
+        print(failed.value)
+        trainer.disarm()
+        assert sync.push(3)["sync/resynced"] == 0.0
+    finally:
+        sync.shutdown()
+
+
+def test_syncs_raise_no_false_alarm(engine, vllm_python, vllm_model):
+    """As many syncs as fit in ~40 s, the model moving far (lr 1e-2): none fails the calibrated probe."""
+    trainer = FaultyTrainer(vllm_model, lr=1e-2)
+    sync = make_sync(engine, vllm_python, trainer)
+    start, history = time.monotonic(), []
+    try:
+        sync.push(1)
+        version = 1
+        while time.monotonic() - start < 40:
+            version += 1
+            history += syncs_without_false_alarm(sync, trainer, version, 1)
+    finally:
+        sync.shutdown()
+    margin = max(m["sync/probe_margin"] for m in history)
+    print(f"{len(history)} vLLM syncs without a false alarm in {time.monotonic() - start:.0f} s (worst margin "
+          f"{margin:.2f})")
+    assert len(history) >= 10 and margin <= 1.0

@@ -5,6 +5,7 @@ with the trainer's forward pass can see that)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,10 +24,11 @@ SCALE = 1.01
 
 class FaultyTrainer(LocalTrainer):
     """A LocalTrainer whose pushes, while ``fault`` is set, carry one tensor wrong: the previous version's
-    (``stale``, recorded by :meth:`arm`) or the current one times 1.01 (``scaled``)."""
+    (``stale``, recorded by :meth:`arm`) or the current one times ``scale`` (``scaled``)."""
 
-    def __init__(self, model_path: str, lr: float = 1e-3):
+    def __init__(self, model_path: str, lr: float = 1e-3, scale: float = SCALE):
         super().__init__(model_path, lr=lr)
+        self.scale = scale
         self.fault: tuple[str, str] | None = None
         self._stale: torch.Tensor | None = None
 
@@ -41,7 +43,7 @@ class FaultyTrainer(LocalTrainer):
 
     def wrong(self, name: str, current: torch.Tensor, fault: str) -> torch.Tensor:
         assert self._stale is not None
-        return self._stale if fault == "stale" else current * SCALE
+        return self._stale if fault == "stale" else current * self.scale
 
     def hf_weights(self):
         for name, t in super().hf_weights():
@@ -51,26 +53,47 @@ class FaultyTrainer(LocalTrainer):
 
 
 class TamperingLink(HttpEngineLink):
-    """The real HTTP link; while armed, just before the coordinator verifies a sync it loads one tensor of the
-    trainer's, wrong, into the engine through ``/update_weights_from_tensor`` (inline CPU tensors, which raygym's
-    server, vLLM's adapter and stock SGLang all read)."""
+    """The real HTTP link; while armed, the engine loads one tensor of the trainer's wrong. Over the disk
+    transport the tensor is rewritten in the version directory just before the engine reads it (vLLM's adapter
+    loads a layer once per update session); otherwise it is loaded through ``/update_weights_from_tensor``
+    (inline CPU tensors) just before the coordinator verifies the sync (raygym's server)."""
 
-    def __init__(self, url: str, trainer: FaultyTrainer, dtype: torch.dtype = torch.float32):
+    def __init__(self, url: str, trainer: FaultyTrainer, dtype: torch.dtype = torch.float32, disk: bool = False):
         super().__init__(url, "engine0")
-        self.trainer, self.dtype = trainer, dtype
+        self.trainer, self.dtype, self.disk = trainer, dtype, disk
         self.armed: tuple[str, str] | None = None
         self.tampered = 0
 
+    def wrong_tensor(self) -> tuple[str, torch.Tensor]:
+        assert self.armed is not None
+        name, fault = self.armed
+        current = dict(LocalTrainer.hf_weights(self.trainer))[name]
+        return name, self.trainer.wrong(name, current, fault)
+
     def call(self, endpoint: Endpoint, body: Any, timeout: float) -> Any:
-        if self.armed is not None and endpoint in (Endpoint.RAYGYM_WEIGHTS_CHECKSUM, Endpoint.MODEL_INFO):
-            name, fault = self.armed
-            current = dict(LocalTrainer.hf_weights(self.trainer))[name]
-            tensor = self.trainer.wrong(name, current, fault).to(self.dtype)
+        if self.armed is not None and endpoint is Endpoint.UPDATE_WEIGHTS_FROM_DISK:
+            self.tampered += rewrite(body.model_path, *self.wrong_tensor())
+        elif self.armed is not None and endpoint in (Endpoint.RAYGYM_WEIGHTS_CHECKSUM, Endpoint.MODEL_INFO) \
+                and not self.disk:
+            name, tensor = self.wrong_tensor()
             answer = super().call(Endpoint.UPDATE_WEIGHTS_FROM_TENSOR, UpdateWeightsFromTensor(
-                serialized_named_tensors=[dumps_named_tensors([(name, tensor)])]), timeout)
+                serialized_named_tensors=[dumps_named_tensors([(name, tensor.to(self.dtype))])]), timeout)
             assert answer["success"], answer
             self.tampered += 1
         return super().call(endpoint, body, timeout)
+
+
+def rewrite(directory: str, name: str, tensor: torch.Tensor) -> int:
+    """Replace tensor ``name`` in the safetensors shard of ``directory`` that holds it (in that shard's dtype)."""
+    from safetensors.torch import load_file, save_file
+
+    for shard in sorted(Path(directory).glob("*.safetensors")):
+        tensors = load_file(str(shard))
+        if name in tensors:
+            tensors[name] = tensor.to(tensors[name].dtype).contiguous()
+            save_file(tensors, str(shard))
+            return 1
+    raise AssertionError(f"no shard of {directory} holds {name}")
 
 
 def syncs_without_false_alarm(sync: WeightSync, trainer: LocalTrainer, first: int, count: int) -> list[dict[str, float]]:
