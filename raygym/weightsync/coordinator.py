@@ -6,14 +6,18 @@
 4. the trainers push ``version`` (rank 0 sends; full or delta, see :mod:`raygym.weightsync.sender`);
 5. verify, as the engine kind declares (:mod:`raygym.engine_kinds`): ``checksum`` compares every
    engine's per-tensor checksums with the sender's (``/raygym/weights_checksum``); ``probe`` checks the
-   weight version each engine reports (``/model_info``) and, once generation continues, that the
-   engine's log-probs of a seeded probe match the trainer's forward pass (:mod:`raygym.weightsync.probe`);
+   weight version each engine reports (``/model_info``), the checksums of the tensors it loaded where it
+   keeps them (vLLM's workers), and, once generation continues, that the engine's log-probs of a seeded
+   probe match the trainer's forward pass within tolerances calibrated on the run's own noise floor (the
+   probe before and after the first sync; :mod:`raygym.weightsync.probe`);
    a mismatch or a failed load triggers one automatic full resync, counted in ``sync/full_resyncs``;
 6. the sender's delta snapshot advances (only now: every engine verified); the session closes;
 7. generation continues.
 
 Metrics say what was checked: ``sync/verified_tensors`` (exact checksums compared), ``sync/probe_tokens``,
-``sync/probe_logprob_diff_mean`` and ``_max`` (probe), ``sync/verified_versions`` (labels read back).
+``sync/probe_logprob_diff_mean`` and ``_max`` (probe), ``sync/probe_floor_mean`` and ``_max`` (its calibrated
+noise floor), ``sync/probe_tolerance`` and ``_max``, ``sync/probe_margin`` (above 1 fails),
+``sync/verified_versions`` (labels read back).
 
 ``update_weight_mode="auto"``: a :class:`~raygym.weightsync.sync_cost.SyncCostModel` picks full or delta
 before each sync (among the payloads the engine kind takes over the transport) and learns from what the
@@ -61,7 +65,15 @@ from raygym.engine_protocol import (
 )
 from raygym.errors import WeightSyncError
 from raygym.weightsync.engine_link import EngineLink, as_link, checked
-from raygym.weightsync.probe import EngineProbe, ProbeCalibration, ProbeResult, ProbeSpec, compare_logprobs
+from raygym.weightsync.probe import (
+    HALF_PRECISION_SLACK,
+    MIN_MEAN,
+    EngineProbe,
+    ProbeCalibration,
+    ProbeResult,
+    ProbeSpec,
+    compare_logprobs,
+)
 from raygym.weightsync.sender import SenderSpec
 from raygym.weightsync.sync_cost import ModeChoice, SyncCostModel, SyncSample
 
@@ -293,8 +305,9 @@ class WeightSync:
         worst = max(r.max_abs_diff for r in results)
         cal = self.calibration
         if cal is None:
+            slack = HALF_PRECISION_SLACK if self.spec.cast_dtype in ("bfloat16", "float16") else MIN_MEAN
             cal = ProbeCalibration.from_first_sync(ProbeResult(min(r.tokens for r in results), mean, worst, True),
-                                                   self._before, cap=self.probe_tolerance)
+                                                   self._before, cap=self.probe_tolerance, slack=slack)
         problems = []
         for link, result in zip(self.links, results, strict=True):
             if not cal.judge(result).ok:

@@ -18,6 +18,13 @@ from raygym.errors import WeightSyncError
 from raygym.rollout.auth import use_engine_api_key
 from raygym.rollout.engine import EngineActor
 from raygym.weightsync.coordinator import WeightSync
+from tests.weightsync.faults import (
+    ATTENTION_TENSOR,
+    MLP_TENSOR,
+    FaultyTrainer,
+    TamperingLink,
+    syncs_without_false_alarm,
+)
 from tests.weightsync.local_trainer import LocalTrainer
 
 pytestmark = [pytest.mark.sglang_cpu, pytest.mark.timeout(1200)]
@@ -320,3 +327,59 @@ def test_an_update_mid_generation_splits_the_response_into_two_versions(engine, 
         assert_update_mid_generation_splits_versions(engine, sync, trainer, 1, running)
     finally:
         sync.shutdown()
+
+
+# ----- issue 39: verification catches one wrong tensor (SGLang's checksums run on GPU only: the probe) -----
+
+
+def fault_for(engine) -> dict:
+    """One step of 1e-3 behind, or scaled by 1.01: SGLang's CPU backend runs the float32 checkpoint in float32
+    (its floor here: 1e-4 mean, 4e-4 worst token; those faults move the mean by ~5e-4)."""
+    return {"lr": 1e-3, "scale": 1.01}
+
+
+@pytest.mark.parametrize(("fault", "name"), [("stale", MLP_TENSOR), ("scaled", ATTENTION_TENSOR)])
+@pytest.mark.parametrize("where", ["trainer", "engine"])
+def test_one_wrong_tensor_fails_the_calibrated_probe(engine, sglang_python, sglang_model, tmp_path, fault, name,
+                                                       where):
+    """``trainer``: the trainer sends it wrong; ``engine``: it is rewritten in the HF directory SGLang loads."""
+    trainer = FaultyTrainer(sglang_model, **fault_for(engine))
+    link = TamperingLink(engine.url(), trainer, disk=True)
+    sync = WeightSync(recipe(sglang_python, update_weight_transport="disk", update_weight_disk_dir=str(tmp_path)),
+                      [trainer], [link], engine_kind="sglang", spec_overrides={"master_address": "127.0.0.1"})
+    sync.setup()
+    try:
+        first = sync.push(1)
+        print(f"SGLang {engine.engine_info().get('dtype')}: floor {first['sync/probe_floor_mean']:.2e} / "
+              f"{first['sync/probe_floor_max']:.2e} over {first['sync/probe_tokens']:.0f} tokens")
+        trainer.arm(name, fault)
+        if where == "engine":
+            trainer.disarm()
+            link.armed = (name, fault)
+        with pytest.raises(WeightSyncError, match="probe log-probs differ") as failed:
+            sync.push(2)
+        print(failed.value)
+        trainer.disarm()
+        link.armed = None
+        assert sync.push(3)["sync/resynced"] == 0.0
+    finally:
+        sync.shutdown()
+
+
+def test_syncs_raise_no_false_alarm(engine, sglang_python, sglang_model):
+    """As many syncs as fit in ~40 s, the model moving far (lr 1e-2): none fails the calibrated probe."""
+    trainer = FaultyTrainer(sglang_model, lr=1e-2)
+    sync = make_sync(engine, sglang_python, trainer)
+    start, history = time.monotonic(), []
+    try:
+        sync.push(1)
+        version = 1
+        while time.monotonic() - start < 40:
+            version += 1
+            history += syncs_without_false_alarm(sync, trainer, version, 1)
+    finally:
+        sync.shutdown()
+    margin = max(m["sync/probe_margin"] for m in history)
+    print(f"{len(history)} SGLang syncs without a false alarm in {time.monotonic() - start:.0f} s (worst margin "
+          f"{margin:.2f})")
+    assert len(history) >= 10 and margin <= 1.0
