@@ -73,6 +73,8 @@ from raygym.weightsync.probe import (
     ProbeResult,
     ProbeSpec,
     compare_logprobs,
+    outliers,
+    worst_of,
 )
 from raygym.weightsync.sender import SenderSpec
 from raygym.weightsync.sync_cost import ModeChoice, SyncCostModel, SyncSample
@@ -290,8 +292,7 @@ class WeightSync:
             return
         results = self._probe_results()
         if not isinstance(results, str):
-            self._before = ProbeResult(min(r.tokens for r in results), max(r.mean_abs_diff for r in results),
-                                       max(r.max_abs_diff for r in results), True)
+            self._before = worst_of(results)
 
     def _probe(self, version: int, metrics: dict[str, float]) -> str | None:
         """The engines' log-probs of a seeded probe against the trainer's; None when every engine agrees.
@@ -301,28 +302,27 @@ class WeightSync:
         results = self._probe_results()
         if isinstance(results, str):
             return results
-        mean = max(r.mean_abs_diff for r in results)
-        worst = max(r.max_abs_diff for r in results)
+        all_of = worst_of(results)
         cal = self.calibration
         if cal is None:
             slack = HALF_PRECISION_SLACK if self.spec.cast_dtype in ("bfloat16", "float16") else MIN_MEAN
-            cal = ProbeCalibration.from_first_sync(ProbeResult(min(r.tokens for r in results), mean, worst, True),
-                                                   self._before, cap=self.probe_tolerance, slack=slack)
+            cal = ProbeCalibration.from_first_sync(all_of, self._before, cap=self.probe_tolerance, slack=slack)
         problems = []
         for link, result in zip(self.links, results, strict=True):
             if not cal.judge(result).ok:
-                problems.append(f"{link.name}: probe log-probs differ from the trainer's by {result.mean_abs_diff:.2e} "
-                                f"on average, {result.max_abs_diff:.2e} at worst over {result.tokens} tokens "
+                problems.append(f"{link.name}: probe log-probs differ from the trainer's by {result.trimmed_mean:.2e} "
+                                f"on average, {result.trimmed_max:.2e} at worst over {result.tokens} tokens but the "
+                                f"{outliers(result.tokens)} farthest ({result.max_abs_diff:.2e}) "
                                 f"(tolerances {cal.tolerance:.2e} / {cal.max_tolerance:.2e}, from a noise floor of "
                                 f"{cal.floor_mean:.2e} / {cal.floor_max:.2e}; update_weight_probe_tolerance="
                                 f"{self.probe_tolerance} caps the mean's) at version {version}")
         if not problems:
             self.calibration = cal
-        metrics.update({"sync/probe_tokens": float(min(r.tokens for r in results)),
-                        "sync/probe_logprob_diff_mean": mean, "sync/probe_logprob_diff_max": worst,
+        metrics.update({"sync/probe_tokens": float(all_of.tokens), "sync/probe_logprob_diff_mean": all_of.mean_abs_diff,
+                        "sync/probe_logprob_diff_max": all_of.max_abs_diff,
                         "sync/probe_floor_mean": cal.floor_mean, "sync/probe_floor_max": cal.floor_max,
                         "sync/probe_tolerance": cal.tolerance, "sync/probe_tolerance_max": cal.max_tolerance,
-                        "sync/probe_margin": max(mean / cal.tolerance, worst / cal.max_tolerance)})
+                        "sync/probe_margin": cal.margin(all_of)})
         return "; ".join(problems) or None
 
     def _all(self, endpoint: Endpoint, body: Any) -> None:

@@ -54,8 +54,10 @@ def test_sampled_only_answers_keep_the_prompt_as_prefix():
 
 def test_calibration_judges_the_mean_and_the_worst_token():
     cal = ProbeCalibration.measure(floor_mean=1e-3, floor_max=5e-3, cap=0.1)
+    two_tokens_off = compare_logprobs([[-1.0] * 100], [[-1.0] * 98 + [-1.1] * 2], tolerance=cal.tolerance)
+    assert two_tokens_off.mean_abs_diff < cal.tolerance and not cal.judge(two_tokens_off).ok
     one_token_off = compare_logprobs([[-1.0] * 100], [[-1.0] * 99 + [-1.1]], tolerance=cal.tolerance)
-    assert one_token_off.mean_abs_diff < cal.tolerance and not cal.judge(one_token_off).ok
+    assert cal.judge(one_token_off).ok and one_token_off.max_abs_diff > cal.max_tolerance  # 1 in 64 left out
     everywhere = compare_logprobs([[-1.0] * 100], [[-1.005] * 100], tolerance=cal.tolerance)
     assert everywhere.max_abs_diff < cal.max_tolerance and not cal.judge(everywhere).ok
     assert cal.judge(compare_logprobs([[-1.0] * 100], [[-1.001] * 100], tolerance=1.0)).ok
