@@ -311,8 +311,8 @@ class WeightSync:
         for link, result in zip(self.links, results, strict=True):
             if not cal.judge(result).ok:
                 problems.append(f"{link.name}: probe log-probs differ from the trainer's by {result.trimmed_mean:.2e} "
-                                f"on average, {result.trimmed_max:.2e} at worst over {result.tokens} tokens but the "
-                                f"{outliers(result.tokens)} farthest ({result.max_abs_diff:.2e}) "
+                                f"on average, {result.trimmed_max:.2e} at worst over {result.tokens} tokens less the "
+                                f"{outliers(result.tokens)} farthest (up to {result.max_abs_diff:.2e}) "
                                 f"(tolerances {cal.tolerance:.2e} / {cal.max_tolerance:.2e}, from a noise floor of "
                                 f"{cal.floor_mean:.2e} / {cal.floor_max:.2e}; update_weight_probe_tolerance="
                                 f"{self.probe_tolerance} caps the mean's) at version {version}")
