@@ -362,9 +362,13 @@ class WeightSync:
                 bad.append(answer)
                 continue
             wrong = [n for n, h in expected.items() if answer.checksums.get(n) != h]
-            if str(answer.weight_version) != str(version) or wrong:
+            # asked for every tensor: one the engine holds and the sender never vouched for was left out of the
+            # sync (its old bytes would be served under the new version)
+            uncovered = sorted(set(answer.checksums) - set(expected)) if names is None else []
+            if str(answer.weight_version) != str(version) or wrong or uncovered:
                 bad.append(f"{link.name}: weight_version {answer.weight_version!r} (want {version}), "
-                           f"{len(wrong)} tensor(s) differ {wrong[:3]}")
+                           f"{len(wrong)} tensor(s) differ {wrong[:3]}"
+                           + (f", {len(uncovered)} not covered by the sync {uncovered[:3]}" if uncovered else ""))
         return bad
 
     def verify_versions(self, version: int) -> list[str]:

@@ -76,6 +76,22 @@ def test_checksums_catch_one_wrong_tensor_in_the_engine(servers, tiny_model_path
         sync.shutdown()
 
 
+def test_checksums_catch_a_tensor_the_sync_left_out(servers, tiny_model_path):
+    """The trainer trains, then pushes every tensor but one: it vouches only for what it sent, so the engine's
+    stale copy of the one left out must show as a tensor the sync did not cover."""
+    trainer = FaultyTrainer(tiny_model_path, lr=1e-3)
+    sync, _ = make_sync(servers["float32"], trainer, update_weight_mode="full")
+    try:
+        sync.push(1)
+        trainer.arm(MLP_TENSOR, "omitted")
+        with pytest.raises(WeightSyncError, match=r"1 not covered by the sync \['" + MLP_TENSOR):
+            sync.push(2)
+        trainer.disarm()
+        assert sync.push(3)["sync/verified_tensors"] == len(list(trainer.hf_weights()))
+    finally:
+        sync.shutdown()
+
+
 def test_two_hundred_checksum_syncs_raise_no_false_alarm(servers, tiny_model_path):
     trainer = FaultyTrainer(tiny_model_path, lr=1e-3)
     sync, _ = make_sync(servers["float32"], trainer, update_weight_mode="auto")
