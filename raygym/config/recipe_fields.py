@@ -291,8 +291,10 @@ class RecipeFields(Section):
     )
     update_weight_probe_tolerance: float = option(
         0.1,
-        "Engines verified by probe (stock SGLang): largest mean |log-prob difference| between the engine and "
-        "the trainer on a seeded probe after a sync before it counts as failed.",
+        "Engines verified by probe (stock SGLang, vLLM beside its checksums): an upper bound on the tolerance "
+        "of the mean |log-prob difference| between engine and trainer on the probe after a sync. The tolerances "
+        "themselves are calibrated per run from the probe's noise floor at the first sync (mean and worst "
+        "token; docs/engines.md, 'The probe').",
     )
 
     # ── custom functions (a callable, or an import path 'pkg.module:function') ──
