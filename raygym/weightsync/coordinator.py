@@ -298,7 +298,8 @@ class WeightSync:
         """The engines' log-probs of a seeded probe against the trainer's; None when every engine agrees.
 
         The first sync calibrates the tolerances (:meth:`ProbeCalibration.from_first_sync`: the noise floor on
-        identical weights, capped on the mean by ``update_weight_probe_tolerance``)."""
+        identical weights, capped on the mean by ``update_weight_probe_tolerance``); every sync that passes
+        raises the floor to what it measured (:meth:`ProbeCalibration.follow`)."""
         results = self._probe_results()
         if isinstance(results, str):
             return results
@@ -317,7 +318,7 @@ class WeightSync:
                                 f"{cal.floor_mean:.2e} / {cal.floor_max:.2e}; update_weight_probe_tolerance="
                                 f"{self.probe_tolerance} caps the mean's) at version {version}")
         if not problems:
-            self.calibration = cal
+            self.calibration = cal.follow(all_of)  # the honest floor rises as training sharpens the policy
         metrics.update({"sync/probe_tokens": float(all_of.tokens), "sync/probe_logprob_diff_mean": all_of.mean_abs_diff,
                         "sync/probe_logprob_diff_max": all_of.max_abs_diff,
                         "sync/probe_floor_mean": cal.floor_mean, "sync/probe_floor_max": cal.floor_max,

@@ -29,6 +29,7 @@ False
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -206,7 +207,7 @@ def worst_of(results: list[ProbeResult]) -> ProbeResult:
 @dataclass(frozen=True)
 class ProbeCalibration:
     """Tolerances of one run's probe, from its noise floor: the differences the first sync measured, when
-    engine and trainer held identical weights.
+    engine and trainer held identical weights, raised by every later sync that passed (:meth:`follow`).
 
     ``tolerance`` (mean) = ``max(FACTOR * floor_mean, MIN_MEAN)``, at most ``cap`` (the user's
     ``update_weight_probe_tolerance``); ``max_tolerance`` (worst token) = ``max(MAX_FACTOR * floor_max, MIN_MAX)``.
@@ -222,12 +223,13 @@ class ProbeCalibration:
     floor_max: float
     tolerance: float
     max_tolerance: float
+    cap: float = math.inf
 
     @classmethod
     def measure(cls, floor_mean: float, floor_max: float, cap: float) -> ProbeCalibration:
         """The calibration for a noise floor of ``floor_mean`` / ``floor_max``."""
         return cls(floor_mean, floor_max, min(cap, max(FACTOR * floor_mean, MIN_MEAN)),
-                   max(MAX_FACTOR * floor_max, MIN_MAX))
+                   max(MAX_FACTOR * floor_max, MIN_MAX), cap)
 
     @classmethod
     def from_first_sync(cls, after: ProbeResult, before: ProbeResult | None, cap: float,
@@ -252,6 +254,23 @@ class ProbeCalibration:
         low = min(r.trimmed_mean for r in seen)
         same = [r for r in seen if r.trimmed_mean <= SAME_WEIGHTS * low + slack]
         return cls.measure(max(r.trimmed_mean for r in same), max(r.trimmed_max for r in same), cap)
+
+    def follow(self, passed: ProbeResult) -> ProbeCalibration:
+        """The calibration for the next sync after ``passed`` was judged honest: the floor rises to what it
+        measured. The honest difference grows as training sharpens the policy (a float16 engine's probe rose from
+        1e-4 to 4e-4 over 35 steps of the tiny preset, tracking the rollouts' own engine/trainer mismatch), so a
+        floor fixed at the first sync, on a near-uniform random model, fails honest syncs; a wrong tensor is a
+        jump from the last honest sync, which the factors still catch. The floor never falls.
+
+        >>> c = ProbeCalibration.measure(floor_mean=1e-4, floor_max=4e-4, cap=0.1)
+        >>> later = c.follow(ProbeResult(222, 3e-4, 1e-3, True, 3e-4, 8e-4))
+        >>> later.judge(ProbeResult(222, 9e-4, 3e-3, True, 9e-4, 3e-3)).ok, c.judge(ProbeResult(222, 9e-4, 3e-3, True, 9e-4, 3e-3)).ok
+        (True, False)
+        >>> later.follow(ProbeResult(222, 1e-5, 1e-5, True, 1e-5, 1e-5)).floor_mean
+        0.0003
+        """
+        return ProbeCalibration.measure(max(self.floor_mean, passed.trimmed_mean),
+                                        max(self.floor_max, passed.trimmed_max), self.cap)
 
     def judge(self, result: ProbeResult) -> ProbeResult:
         """``result`` with ``ok`` decided by these tolerances (on its trimmed statistics)."""
