@@ -51,7 +51,9 @@ class EngineFleet:
         self.engines = engines
         self.trainers = trainers
         self.manager = manager
-        self.engine_dtype = engine_dtype  # the checkpoint's floating dtype: what SGLang serves
+        # the checkpoint's floating dtype: what the payload is cast to when the engine does not report its own
+        # (stock SGLang's 'auto' serves a float32 checkpoint in float16, and converts a float32 payload on load)
+        self.engine_dtype = engine_dtype
         self.say = say
         self.adapter = adapter  # LoRA: (the adapters' PEFT config, where adapter versions are written)
         self.weight_sync: Any = None  # raygym.weightsync.coordinator.WeightSync over `synced`

@@ -42,8 +42,8 @@ class ModelConfig(Section):
     dtype: str = option(
         "auto",
         "Trainer compute dtype: 'auto' (bfloat16 on GPU, float32 on CPU), 'bfloat16', 'float16' (Megatron "
-        "backend only) or 'float32'. The torch backend keeps float32 master weights; engines serve the "
-        "checkpoint's own dtype.",
+        "backend only) or 'float32'. The torch backend keeps float32 master weights; engines choose their own serving dtype "
+        "(raygym's server and vLLM: the checkpoint's; stock SGLang's 'auto' serves a float32 checkpoint in float16).",
     )
     tokenizer: str | None = option(
         None, "Tokenizer path; not supported, leave unset: every part of a run uses the checkpoint's own."
