@@ -1,7 +1,8 @@
 """Qwen3-MoE (``builtin:tiny-qwen3-moe``: 8 experts, top-2) on stock SGLang's CPU backend: it generates what the
 HF model scores; weights from the torch backend (transformers 5's fused in-memory expert tensors) reach it under
 the checkpoint's per-expert names, full over gloo and disk and as a delta through the custom loader, each sync
-verified by the probe; the fused names themselves (what raygym sent before) fail that probe. Routing replay: the
+verified by the probe; the fused names themselves (what raygym sent before) fail that probe, and so does one expert
+sent one step stale or scaled by 1.01. Routing replay: the
 flag raygym adds is SGLang's own (parsed by every release that has it); its CPU backend dies capturing routed
 experts (pinned host memory), shown by launching it, so a replay run on CPU stops before Ray starts."""
 
@@ -29,6 +30,7 @@ from tests.sglang_cpu.test_sglang_engine import (
     make_sync,
     recipe,
 )
+from tests.weightsync.faults import EXPERTS_TENSOR, FAULTS, OneExpertWrong, syncs_without_false_alarm
 from tests.weightsync.local_trainer import LocalTrainer
 
 pytestmark = [pytest.mark.sglang_cpu, pytest.mark.timeout(1200)]
@@ -42,8 +44,10 @@ def moe_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def moe_engine(sglang_python, moe_model, tmp_path_factory):
+    # float32 (SGLang's 'auto' would serve this float32 checkpoint in float16, whose noise hides one expert 1% off)
     actor = EngineActor(recipe(sglang_python), engine_index=0, model_path=moe_model, gpu_ids=[], host="127.0.0.1",
-                        backend="sglang", startup_timeout=600, log_dir=str(tmp_path_factory.mktemp("sglang-moe-logs")))
+                        backend="sglang", startup_timeout=600, log_dir=str(tmp_path_factory.mktemp("sglang-moe-logs")),
+                        extra_server_args=["--dtype", "float32"])
     actor.start()
     yield actor
     actor.close()
@@ -117,6 +121,27 @@ def test_fused_names_do_not_reach_sglangs_experts(moe_engine, sglang_python, moe
     try:
         with pytest.raises(WeightSyncError):
             sync.push(2)
+    finally:
+        sync.shutdown()
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_one_wrong_expert_fails_the_calibrated_probe(moe_engine, sglang_python, moe_model, fault):
+    """One expert of one layer sent one step stale, or scaled by 1.01, fails the probe calibrated at the first
+    sync; the honest syncs around it pass."""
+    trainer = OneExpertWrong(moe_model, lr=1e-3)
+    sync = make_sync(moe_engine, sglang_python, trainer)
+    try:
+        first = sync.push(1)
+        history = syncs_without_false_alarm(sync, trainer, 2, 2)
+        print(f"SGLang MoE float32: floor {first['sync/probe_floor_mean']:.2e} / {first['sync/probe_floor_max']:.2e}, "
+              f"worst margin {max(m['sync/probe_margin'] for m in history):.2f}")
+        trainer.arm(EXPERTS_TENSOR, fault)
+        with pytest.raises(WeightSyncError, match="probe log-probs differ") as failed:
+            sync.push(4)
+        print(failed.value)
+        trainer.disarm()
+        assert sync.push(5)["sync/resynced"] == 0.0
     finally:
         sync.shutdown()
 

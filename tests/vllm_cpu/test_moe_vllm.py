@@ -13,7 +13,7 @@ from raygym.rollout.engine import EngineActor
 from raygym.weightsync import moe_names
 from raygym.weightsync.coordinator import WeightSync
 from tests.vllm_cpu.test_vllm_engine import generate, hf_logprobs, recipe
-from tests.weightsync.faults import FAULTS, FaultyTrainer, syncs_without_false_alarm
+from tests.weightsync.faults import EXPERTS_TENSOR, FAULTS, OneExpertWrong, syncs_without_false_alarm
 from tests.weightsync.local_trainer import LocalTrainer
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(1500)]
@@ -112,20 +112,6 @@ def test_vllm_takes_the_fused_names_too(moe_engine, vllm_python, moe_model, monk
         assert serves(moe_engine, trainer) < tolerance()
     finally:
         sync.shutdown()
-
-
-EXPERT = 3
-EXPERTS_TENSOR = "model.layers.1.mlp.experts.down_proj"  # transformers 5's fused in-memory name: [experts, ...]
-
-
-class OneExpertWrong(FaultyTrainer):
-    """Sends expert 3's down_proj of layer 1 wrong (one step stale, or scaled by 1.01); the rest is right."""
-
-    def wrong(self, name, current, fault):
-        whole = super().wrong(name, current, fault)
-        out = current.clone()
-        out[EXPERT] = whole[EXPERT]
-        return out
 
 
 @pytest.mark.parametrize("fault", FAULTS)

@@ -107,3 +107,17 @@ def syncs_without_false_alarm(sync: WeightSync, trainer: LocalTrainer, first: in
         assert metrics["sync/resynced"] == 0.0, (version, metrics)
         history.append(metrics)
     return history
+
+
+EXPERT = 3
+EXPERTS_TENSOR = "model.layers.1.mlp.experts.down_proj"  # transformers 5's fused in-memory name: [experts, ...]
+
+
+class OneExpertWrong(FaultyTrainer):
+    """Sends expert 3's down_proj of layer 1 wrong (one step stale, or scaled by 1.01); the rest is right."""
+
+    def wrong(self, name, current, fault):
+        whole = super().wrong(name, current, fault)
+        out = current.clone()
+        out[EXPERT] = whole[EXPERT]
+        return out
