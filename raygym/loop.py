@@ -282,11 +282,22 @@ class Loop:
     def commit(self, pending: PendingCheckpoint) -> None:
         """Complete a saved checkpoint after its step's rows are durable: a kill anywhere leaves the step's
         rows and its checkpoint together (resume continues after it) or neither (resume redoes the step)."""
+        from raygym.checkpoint_files import commit_manifest
+
         assert self.metrics is not None
         self.metrics.make_durable()
-        if pending.critic_url is not None:  # the critic first: a policy manifest then implies its critic's
-            self.critics("commit_checkpoint", pending.critic_url)
-        self.trainers("commit_checkpoint", pending.policy_url)
+        # the critic first: a policy manifest then implies its critic's. The driver commits what it can reach
+        # (the files are complete whatever became of the trainers since); a directory only the trainers' nodes
+        # see is committed by their rank 0.
+        for url, role in ((pending.critic_url, self.critics), (pending.policy_url, self.trainers)):
+            if url is None:
+                continue
+            try:
+                done = commit_manifest(url)
+            except Exception:  # the store refuses the driver (its credentials, its filesystem): the trainers try
+                done = False
+            if not done:
+                role("commit_checkpoint", url)
         self.checkpoints.append(pending.policy_url)
 
     def sync(self, version: int, step: int, timer: PhaseTimer) -> dict[str, float]:

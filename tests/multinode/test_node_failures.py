@@ -186,8 +186,13 @@ def test_a_partitioned_engine_node_has_its_requests_moved_at_the_health_check(no
     rows = job.rows()
     assert [r["step"] for r in rows] == list(range(steps))
     assert all(r["rollout/samples"] == 64 for r in rows)
-    assert sum(r["rollout/requests_moved"] for r in rows) >= 1  # taken off the silent engine, not timed out
-    assert sum(r["rollout/engine_failures"] for r in rows) >= 1
+    # Taken off the cut-off engine, not timed out (the job ended well inside the 600 s request timeout): moved
+    # when the health check marked the engine, or retried when the kernel gave up resolving its address first
+    # (a stale ARP entry: "no route to host" after ~3 s), whichever came first.
+    cut = next((r for r in rows if r["rollout/engine_failures"] >= 1), None)
+    assert cut is not None, "the cut-off engine was never found failed"
+    assert cut["rollout/requests_moved"] + cut["rollout/request_retries"] >= 1, cut
+    assert cut["rollout/engine1_requests"] > BATCH * 8 // 2  # engine 1 took over engine 0's share of the step
     assert all(r["rollout/malformed_answers"] == 0 for r in rows)
     assert_every_position_once(job.out, steps)
     wait_released(cluster)
