@@ -92,11 +92,17 @@ class ProbeSpec:
 
     def generate_request(self, temperature: float, lora_path: str | None = None) -> GenerateRequest:
         """The ``/generate`` request: one seeded sample per prompt, unfiltered, with output log-probs, then (at
-        temperature 1) the scored sequences with their prompt log-probs (``lora_path``: with that adapter)."""
+        temperature 1, without an adapter) the scored sequences with their prompt log-probs (``lora_path``: with
+        that adapter; prompt log-probs are then left out: vLLM 0.32's CPU LoRA path fails computing them through
+        an adapted ``lm_head``, and its engine dies).
+
+        >>> len(ProbeSpec().generate_request(1.0, lora_path="raygym").input_ids)
+        2
+        """
         params = [{"max_new_tokens": self.new_tokens, "temperature": temperature, "top_p": 1.0, "top_k": -1,
                    "ignore_eos": True, "sampling_seed": self.seed + i} for i in range(len(self.prompts))]
         inputs = [list(p) for p in self.prompts]
-        if not self.teacher_forced(temperature):
+        if not self.teacher_forced(temperature) or lora_path is not None:
             return GenerateRequest(input_ids=inputs, sampling_params=params, return_logprob=True, lora_path=lora_path)
         scored = self.sequences()
         params += [{**params[0], "max_new_tokens": 1, "sampling_seed": self.seed + len(inputs) + i}
