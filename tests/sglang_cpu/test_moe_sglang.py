@@ -30,7 +30,7 @@ from tests.sglang_cpu.test_sglang_engine import (
     make_sync,
     recipe,
 )
-from tests.weightsync.faults import EXPERTS_TENSOR, FAULTS, OneExpertWrong, syncs_without_false_alarm
+from tests.weightsync.faults import FAULTS, OneExpertWrong, assert_one_wrong_expert_fails
 from tests.weightsync.local_trainer import LocalTrainer
 
 pytestmark = [pytest.mark.sglang_cpu, pytest.mark.timeout(1200)]
@@ -132,16 +132,7 @@ def test_one_wrong_expert_fails_the_calibrated_probe(moe_engine, sglang_python, 
     trainer = OneExpertWrong(moe_model, lr=1e-3)
     sync = make_sync(moe_engine, sglang_python, trainer)
     try:
-        first = sync.push(1)
-        history = syncs_without_false_alarm(sync, trainer, 2, 2)
-        print(f"SGLang MoE float32: floor {first['sync/probe_floor_mean']:.2e} / {first['sync/probe_floor_max']:.2e}, "
-              f"worst margin {max(m['sync/probe_margin'] for m in history):.2f}")
-        trainer.arm(EXPERTS_TENSOR, fault)
-        with pytest.raises(WeightSyncError, match="probe log-probs differ") as failed:
-            sync.push(4)
-        print(failed.value)
-        trainer.disarm()
-        assert sync.push(5)["sync/resynced"] == 0.0
+        assert_one_wrong_expert_fails(sync, trainer, fault, "SGLang")
     finally:
         sync.shutdown()
 

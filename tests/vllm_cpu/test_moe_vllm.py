@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 
 from raygym.builtin import TINY_MOE_MODEL, materialize_model
-from raygym.errors import WeightSyncError
 from raygym.rollout.engine import EngineActor
 from raygym.weightsync import moe_names
 from raygym.weightsync.coordinator import WeightSync
 from tests.vllm_cpu.test_vllm_engine import generate, hf_logprobs, recipe
-from tests.weightsync.faults import EXPERTS_TENSOR, FAULTS, OneExpertWrong, syncs_without_false_alarm
+from tests.weightsync.faults import FAULTS, OneExpertWrong, assert_one_wrong_expert_fails
 from tests.weightsync.local_trainer import LocalTrainer
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(1500)]
@@ -120,15 +119,6 @@ def test_one_wrong_expert_fails_the_calibrated_probe(moe_engine, vllm_python, mo
     trainer = OneExpertWrong(moe_model, lr=1e-3)
     sync = make_sync(moe_engine, vllm_python, trainer)
     try:
-        first = sync.push(1)
-        history = syncs_without_false_alarm(sync, trainer, 2, 2)
-        print(f"vLLM MoE float32: floor {first['sync/probe_floor_mean']:.2e} / {first['sync/probe_floor_max']:.2e}, "
-              f"worst margin {max(m['sync/probe_margin'] for m in history):.2f}")
-        trainer.arm(EXPERTS_TENSOR, fault)
-        with pytest.raises(WeightSyncError, match="probe log-probs differ") as failed:
-            sync.push(4)
-        print(failed.value)
-        trainer.disarm()
-        assert sync.push(5)["sync/resynced"] == 0.0
+        assert_one_wrong_expert_fails(sync, trainer, fault, "vLLM")
     finally:
         sync.shutdown()

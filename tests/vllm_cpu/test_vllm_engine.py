@@ -27,7 +27,7 @@ from tests.weightsync.faults import (
     MLP_TENSOR,
     FaultyTrainer,
     TamperingLink,
-    syncs_without_false_alarm,
+    syncs_for,
 )
 from tests.weightsync.local_trainer import LocalTrainer
 
@@ -298,7 +298,7 @@ def test_an_update_mid_generation_splits_the_response_into_two_versions(engine, 
         sync.shutdown()
 
 
-# ----- issue 39: verification catches one wrong tensor -----
+# ----- verification catches one wrong tensor -----
 
 
 def engine_dtype(engine) -> torch.dtype:
@@ -356,16 +356,10 @@ def test_syncs_raise_no_false_alarm(engine, vllm_python, vllm_model):
     """As many syncs as fit in ~40 s, the model moving far (lr 1e-2): none fails the calibrated probe."""
     trainer = FaultyTrainer(vllm_model, lr=1e-2)
     sync = make_sync(engine, vllm_python, trainer)
-    start, history = time.monotonic(), []
     try:
-        sync.push(1)
-        version = 1
-        while time.monotonic() - start < 40:
-            version += 1
-            history += syncs_without_false_alarm(sync, trainer, version, 1)
+        history = syncs_for(sync, trainer, 40)
     finally:
         sync.shutdown()
     margin = max(m["sync/probe_margin"] for m in history)
-    print(f"{len(history)} vLLM syncs without a false alarm in {time.monotonic() - start:.0f} s (worst margin "
-          f"{margin:.2f})")
+    print(f"{len(history)} vLLM syncs without a false alarm in ~40 s (worst margin {margin:.2f})")
     assert len(history) >= 10 and margin <= 1.0

@@ -121,3 +121,35 @@ class OneExpertWrong(FaultyTrainer):
         out = current.clone()
         out[EXPERT] = whole[EXPERT]
         return out
+
+
+def syncs_for(sync: WeightSync, trainer: LocalTrainer, seconds: float) -> list[dict[str, float]]:
+    """A first sync, then as many more as fit in ``seconds`` (a training step before each): none may fail."""
+    import time
+
+    start, history = time.monotonic(), []
+    sync.push(1)
+    version = 1
+    while time.monotonic() - start < seconds:
+        version += 1
+        history += syncs_without_false_alarm(sync, trainer, version, 1)
+    return history
+
+
+def assert_one_wrong_expert_fails(sync: WeightSync, trainer: OneExpertWrong, fault: str, engine: str) -> None:
+    """Honest syncs pass, one expert sent wrong (``fault``) fails the calibrated probe, and the next honest sync
+    passes without a resync."""
+    import pytest
+
+    from raygym.errors import WeightSyncError
+
+    first = sync.push(1)
+    history = syncs_without_false_alarm(sync, trainer, 2, 2)
+    print(f"{engine} MoE float32: floor {first['sync/probe_floor_mean']:.2e} / {first['sync/probe_floor_max']:.2e}, "
+          f"worst margin {max(m['sync/probe_margin'] for m in history):.2f}")
+    trainer.arm(EXPERTS_TENSOR, fault)
+    with pytest.raises(WeightSyncError, match="probe log-probs differ") as failed:
+        sync.push(4)
+    print(failed.value)
+    trainer.disarm()
+    assert sync.push(5)["sync/resynced"] == 0.0

@@ -1,4 +1,4 @@
-"""Weight verification catches one wrong tensor (issue 39), on raygym's server: its exact checksums see a tensor
+"""Weight verification catches one wrong tensor on raygym's server: its exact checksums see a tensor
 left stale or scaled by 1.01 in the engine, and many correct syncs raise no false alarm; the calibrated
 log-prob probe (what stock engines rely on, run here against raygym's server, the fastest real engine) catches
 the same faults sent by the trainer, which no checksum of what was sent can see."""
