@@ -216,9 +216,11 @@ class InferenceServer:
         return web.Response(status=200)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        """Runs one greedy token through the model; 503 when paused, released or stuck."""
-        if self.engine.paused or self.engine.released:
-            return web.Response(status=503, text="generation is paused or memory is released\n")
+        """Runs one greedy token through the model; 503 when memory is released or no token came in
+        ``HEALTH_GENERATE_TIMEOUT_S``. While generation is paused (a weight update) the probe waits in line like any
+        request, as on SGLang: a pause is the trainer's doing, not a sign that the server is broken."""
+        if self.engine.released:
+            return web.Response(status=503, text="memory is released\n")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         req = GenerationRequest(

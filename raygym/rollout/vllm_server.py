@@ -214,9 +214,11 @@ class VllmAdapter:
         return web.Response(status=200 if not self.llm.errored else 503)
 
     async def health_generate(self, request: web.Request) -> web.Response:
-        """One greedy token through the model; 503 when paused, asleep, released or stuck."""
-        if self.llm.errored or self.released or await self.llm.is_paused() or await self.llm.is_sleeping():
-            return web.Response(status=503, text="generation is paused or memory is released\n")
+        """One greedy token through the model; 503 when asleep, released or no token came in
+        ``HEALTH_GENERATE_TIMEOUT_S``. While generation is paused (a weight update) the probe waits in line, as on
+        SGLang: a pause is the trainer's doing, not a sign that the server is broken."""
+        if self.llm.errored or self.released or await self.llm.is_sleeping():
+            return web.Response(status=503, text="memory is released or the engine sleeps\n")
         job = SampleJob(0, f"HEALTH_CHECK_{uuid.uuid4().hex}", 0, 1, [0],
                         {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}, False, -1, None, False)
         try:

@@ -139,7 +139,7 @@ def test_pause_abort_continue_flush_release_resume(engine):
     assert "abort" in reasons, reasons
     assert stats(engine)["running"] == 0 and stats(engine)["paused"]
     assert engine.flush_cache() is True
-    assert not engine.health_generate(timeout=5)  # paused: not ready to generate
+    assert not engine.health_generate(timeout=5)  # paused: the probe waits in line (as on SGLang), unanswered
     engine.call(Endpoint.CONTINUE_GENERATION)
     assert len(generate(engine, [[5, 6]])[0]["output_ids"]) == 6
     engine.call(Endpoint.RELEASE_MEMORY)
