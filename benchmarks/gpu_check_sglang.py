@@ -105,7 +105,7 @@ def main() -> None:
         emit("sglang_gpu_check", skipped="no CUDA device")
         return
     from raygym.config import Recipe
-    from raygym.rollout.auth import new_engine_api_key, use_engine_api_key
+    from raygym.engine_api.auth import new_engine_api_key, use_engine_api_key
     from raygym.rollout.engine import EngineActor
     from raygym.weightsync.coordinator import WeightSync
 

@@ -166,7 +166,7 @@ def raygym_server(model_dir: str, extra_args: list[str]) -> Iterator[str]:
 def generation_seconds(url: str, prompts: int, tokens: int) -> float:
     import httpx
 
-    from raygym.rollout.auth import auth_headers
+    from raygym.engine_api.auth import auth_headers
 
     body = {"input_ids": [[5 + (i % 30)] * 16 for i in range(prompts)], "return_logprob": True,
             "sampling_params": {"max_new_tokens": tokens, "temperature": 1.0, "ignore_eos": True}}

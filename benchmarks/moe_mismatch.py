@@ -15,7 +15,7 @@ Figures (JSON lines, one per engine kind and dtype):
 * ``logprob_mismatch_mean`` / ``_max``: |engine log-prob - trainer log-prob| over response tokens, free and
   replayed, and the replayed/free ratios (the baseline is the free pass of the same run).
 
-Engines that return no routes (stock SGLang's CPU backend, raygym's vLLM adapter: see raygym.engine_kinds) get the
+Engines that return no routes (stock SGLang's CPU backend, raygym's vLLM adapter: see raygym.engine_api.kinds) get the
 free figures only, with the reason.
 
     python benchmarks/moe_mismatch.py --engines raygym,sglang,vllm
@@ -36,8 +36,8 @@ import torch
 
 from raygym import routed_experts
 from raygym.builtin import TINY_MOE_MODEL, build_tokenizer, long_tail_rows, materialize_model, next_digit_rows
-from raygym.engine_kinds import capabilities
-from raygym.engine_protocol import GenerateRequest
+from raygym.engine_api.kinds import capabilities
+from raygym.engine_api.protocol import GenerateRequest
 from raygym.presets import tiny
 from raygym.rollout.engine import EngineActor
 from raygym.trainer.routing_replay import HFRoutingReplay
@@ -136,7 +136,7 @@ def measure(kind: str, dtype: str, samples: list[dict[str, Any]], trainer: Train
             free = out[f"logprob_mismatch_{stat}_free"]
             out[f"logprob_mismatch_{stat}_ratio"] = out[f"logprob_mismatch_{stat}_replayed"] / free if free else None
     else:
-        out["replay"] = f"{kind} on this CPU returns no routed experts (raygym.engine_kinds: {capabilities(kind).routed_experts})"
+        out["replay"] = f"{kind} on this CPU returns no routed experts (raygym.engine_api.kinds: {capabilities(kind).routed_experts})"
     return out
 
 

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from raygym.builtin import TINY_MODEL, build_tokenizer, materialize_model, next_digit_rows  # noqa: E402
-from raygym.engine_protocol import Endpoint, GenerateRequest  # noqa: E402
+from raygym.engine_api.protocol import Endpoint, GenerateRequest  # noqa: E402
 from raygym.presets import tiny  # noqa: E402
 from raygym.rollout.engine import EngineActor  # noqa: E402
 

@@ -17,7 +17,7 @@ import torch
 from rollout import ARCHS, baseline_seconds, make_prompts, server_seconds
 
 from raygym.builtin import NEXT_DIGIT_TASK, TINY_MODEL, materialize_model
-from raygym.engine_protocol import GenerateRequest
+from raygym.engine_api.protocol import GenerateRequest
 from raygym.presets import tiny
 from raygym.rollout.engine import EngineActor
 

@@ -1,5 +1,5 @@
 """Requests/s and time to first token through ``raygym serve`` (Ray Serve proxy + replica + OpenAI front +
-EngineActor) vs the same engine's ``/generate`` called directly with :class:`~raygym.engine_client.EngineClient`.
+EngineActor) vs the same engine's ``/generate`` called directly with :class:`~raygym.engine_api.client.EngineClient`.
 
 Both sides send the same ``--requests`` completion requests (one prompt, at most ``--new-tokens`` tokens,
 greedy, so both generate the same tokens) with ``--concurrency`` in flight, to one raygym-server engine of the
@@ -53,8 +53,8 @@ async def _drive(send, texts: list[str], concurrency: int) -> float:
 def direct(model_dir: str, texts: list[str], new_tokens: int, concurrency: int, repeats: int,
            ttft_requests: int) -> tuple[list[float], list[float]]:
     """(seconds per repeat, time to first token per streamed request) against the engine itself."""
-    from raygym.engine_client import EngineClient
-    from raygym.engine_protocol import GenerateRequest
+    from raygym.engine_api.client import EngineClient
+    from raygym.engine_api.protocol import GenerateRequest
     from raygym.presets import tiny
     from raygym.rollout.engine import EngineActor
 

@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from raygym.engine_protocol import Endpoint, ShadowBegin, ShadowSwitch, WeightsChecksum  # noqa: E402
+from raygym.engine_api.protocol import Endpoint, ShadowBegin, ShadowSwitch, WeightsChecksum  # noqa: E402
 
 MACHINE = {"cores": os.cpu_count(), "device": "cpu", "torch": torch.__version__, "platform": platform.platform()}
 MODES = ("full", "delta", "auto")

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 
 import torch
 
-from raygym.engine_protocol import Endpoint, body_fields
+from raygym.engine_api.protocol import Endpoint, body_fields
 
 CLONE_NEWNET = 0x40000000
 

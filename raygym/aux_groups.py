@@ -119,7 +119,7 @@ def start_aux_groups(recipe: Recipe, run_dir: Path, engine_kind: str, say: Any =
 
     from raygym.actor_group import ActorGroup, merge_user_env, start_engine_group
     from raygym.builtin import resolve_model_path
-    from raygym.engine_auth import engine_api_key
+    from raygym.engine_api.auth import engine_api_key
 
     groups = AuxGroups()
     try:

@@ -107,7 +107,7 @@ def _banner(cfg: TrainConfig, facts: RunFacts) -> list[str]:
     and engine kind."""
     import torch
 
-    from raygym.engine_kinds import choose_rollout_engine
+    from raygym.engine_api.kinds import choose_rollout_engine
     from raygym.trainer.actor import choose_backend
 
     local = not os.environ.get("RAY_ADDRESS")
@@ -180,7 +180,7 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     from raygym.aux_groups import preflight_judge
     from raygym.builtin import resolve_model_path
-    from raygym.engine_kinds import choose_rollout_engine
+    from raygym.engine_api.kinds import choose_rollout_engine
     from raygym.graph import (
         build_graph,
         config_error_of,

@@ -70,7 +70,7 @@ class EngineFleet:
         first push is full)."""
         import ray
 
-        from raygym.engine_kinds import weight_update_session
+        from raygym.engine_api.kinds import weight_update_session
         from raygym.weightsync.coordinator import WeightSync
 
         learned = None  # what update_weight_mode="auto" measured so far carries over to the new group
@@ -87,7 +87,7 @@ class EngineFleet:
         if info["kind"] in ("sglang", "vllm"):  # send what the engine holds: its dtype, not fp32 masters
             overrides["cast_dtype"] = info.get("dtype") or self.engine_dtype
         if self.adapter is not None:  # LoRA: the adapters only (raygym.weightsync.adapter for adapter endpoints)
-            from raygym.engine_kinds import capabilities
+            from raygym.engine_api.kinds import capabilities
 
             overrides["adapter_config"] = self.adapter[0]
             if capabilities(info["kind"]).lora == "lora_endpoints":

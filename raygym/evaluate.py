@@ -284,7 +284,7 @@ def _start_engines(cfg: TrainConfig, model_path: str, log_dir: str, say: Callabl
     import ray
 
     from raygym.actor_group import start_engine_group
-    from raygym.engine_kinds import choose_rollout_engine
+    from raygym.engine_api.kinds import choose_rollout_engine
     from raygym.graph import ENGINE_START_TIMEOUT_S
     from raygym.placement import allocate
     from raygym.rollout.engine import EngineActor

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from raygym.config import Recipe, TrainConfig
 from raygym.engine_fleet import ENGINE_START_TIMEOUT_S
-from raygym.engine_kinds import (
+from raygym.engine_api.kinds import (
     check_inflight_update,
     check_lora,
     check_routing_replay,
@@ -171,7 +171,7 @@ def end_run(fast: bool, *, placement: Placement | None = None, trainers: ActorGr
     if placement is not None:
         placement.release()
     if minted_api_key:  # the key was this run's: later runs in this process mint their own
-        from raygym.engine_auth import ENGINE_API_KEY_ENV
+        from raygym.engine_api.auth import ENGINE_API_KEY_ENV
 
         os.environ.pop(ENGINE_API_KEY_ENV, None)
 
@@ -182,7 +182,7 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
 
     from raygym.actor_group import call_all, start_engine_group, start_trainer_group
     from raygym.aux_groups import aux_manager_kwargs, start_aux_groups
-    from raygym.engine_auth import ENGINE_API_KEY_ENV, new_engine_api_key
+    from raygym.engine_api.auth import ENGINE_API_KEY_ENV, new_engine_api_key
     from raygym.engine_fleet import EngineFleet
     from raygym.engine_spawn import EngineSpawner
     from raygym.placement import allocate_for_recipe

@@ -28,7 +28,7 @@ from typing import Any
 
 from raygym.config.recipe import Recipe
 from raygym.config.views import build_view, recipe_view
-from raygym.engine_protocol import GenerateRequest
+from raygym.engine_api.protocol import GenerateRequest
 from raygym.types import Sample
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -77,7 +77,7 @@ def render_prompt(settings: JudgeSettings, tokenizer: Any, prompt: Any, response
 
 class JudgeClient:
     """Scores samples with the judge engines (``EngineActor`` handles, or ``clients``: objects with an async
-    ``generate(GenerateRequest)`` such as :class:`raygym.engine_client.EngineClient`)."""
+    ``generate(GenerateRequest)`` such as :class:`raygym.engine_api.client.EngineClient`)."""
 
     def __init__(self, settings: JudgeSettings, tokenizer: Any, *, engines: Sequence[Any] = (),
                  clients: Sequence[Any] = (), linger_s: float = 0.005) -> None:
@@ -96,7 +96,7 @@ class JudgeClient:
 
     async def _ensure_clients(self) -> None:
         if not self._clients:
-            from raygym.engine_client import EngineClient
+            from raygym.engine_api.client import EngineClient
 
             urls = await asyncio.gather(*(h.url.remote() for h in self._engines))
             self._clients = [EngineClient(url) for url in urls]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from raygym.config import Recipe, TrainConfig
-from raygym.engine_protocol import Endpoint
+from raygym.engine_api.protocol import Endpoint
 from raygym.metrics import MetricsLogger, PhaseTimer, apply_substep_timing, progress_line, write_traces
 from raygym.rollout.stream import staleness_metrics
 

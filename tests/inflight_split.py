@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from raygym.engine_protocol import GenerateRequest
+from raygym.engine_api.protocol import GenerateRequest
 from raygym.rollout.responses import continuation_params, token_versions
 from raygym.types import Sample
 

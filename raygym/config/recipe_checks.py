@@ -29,8 +29,8 @@ from raygym.config.constants import (
 )
 from raygym.config.recipe_fields import OPTIONAL_FIELDS, RecipeFields
 from raygym.config.sections import ModelConfig
-from raygym.engine_kinds import check_inflight_update, check_routing_replay, check_weight_sync
-from raygym.engine_kinds import check_lora as check_lora_engine
+from raygym.engine_api.kinds import check_inflight_update, check_routing_replay, check_weight_sync
+from raygym.engine_api.kinds import check_lora as check_lora_engine
 from raygym.envs.specs import parse_env_spec
 from raygym.errors import ConfigError
 
@@ -428,7 +428,7 @@ def validate_model_parallelism(r: RecipeFields, model: ModelConfig) -> None:
 def check_fully_async(r: RecipeFields) -> None:
     """``fully_async``: its own GPUs for the engines, one asynchronous mode, a whole-step rollout function
     refused (the stream generates group by group), and an engine kind that takes weight updates while requests
-    are in flight (:func:`raygym.engine_kinds.check_inflight_update`)."""
+    are in flight (:func:`raygym.engine_api.kinds.check_inflight_update`)."""
     if not r.fully_async:
         return
     if r.async_mode:

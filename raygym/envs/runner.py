@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from raygym.engine_protocol import GenerateResponse
+from raygym.engine_api.protocol import GenerateResponse
 from raygym.envs.base import Environment, Step
 from raygym.errors import RaygymError
 from raygym.types import Sample

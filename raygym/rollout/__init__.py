@@ -12,9 +12,9 @@ from typing import Any
 
 _LAZY = {
     "EngineActor": "raygym.rollout.engine",
-    "EngineClient": "raygym.rollout.client",
-    "EngineHTTPError": "raygym.rollout.client",
-    "EngineConnectionError": "raygym.rollout.client",
+    "EngineClient": "raygym.engine_api.client",
+    "EngineHTTPError": "raygym.engine_api.client",
+    "EngineConnectionError": "raygym.engine_api.client",
     "DELTA_LOADER": "raygym.rollout.sglang_args",
 }
 

@@ -3,12 +3,12 @@ on one node.
 
 A plain class; the driver wraps it with ``ray.remote`` (threaded, so that concurrent
 ``generate`` calls overlap: ``ray.remote(max_concurrency=64)(EngineActor)``). Every method is
-synchronous and typed; HTTP goes through one pooled :class:`~raygym.engine_client.EngineClient` on a
+synchronous and typed; HTTP goes through one pooled :class:`~raygym.engine_api.client.EngineClient` on a
 private event loop thread. In-process callers that run an event loop of their own (``raygym serve``'s
 replica) get awaitables and streams on their loop instead (:meth:`EngineActor.generate_async`,
 :meth:`EngineActor.generate_stream`): no thread hop per request.
 
->>> from raygym.engine_protocol import GenerateRequest
+>>> from raygym.engine_api.protocol import GenerateRequest
 >>> from raygym.presets import tiny
 >>> actor = EngineActor(tiny(), engine_index=0, model_path="builtin:tiny-qwen3",
 ...                     gpu_ids=[], host="127.0.0.1", backend="raygym")
@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from raygym.config import Recipe
-from raygym.engine_client import EngineClient, EngineConnectionError, LoopThread
-from raygym.engine_protocol import ROUTES, Endpoint, GenerateRequest, GenerateResponse
+from raygym.engine_api.client import EngineClient, EngineConnectionError, LoopThread
+from raygym.engine_api.protocol import ROUTES, Endpoint, GenerateRequest, GenerateResponse
 from raygym.errors import ConfigError, RaygymError
-from raygym.rollout.auth import ENGINE_API_KEY_ENV, engine_api_key
+from raygym.engine_api.auth import ENGINE_API_KEY_ENV, engine_api_key
 from raygym.rollout.sglang_args import (
     DELTA_LOADER,
     build_raygym_server_argv,
@@ -234,8 +234,8 @@ class EngineActor:
 
     def use_engine_api_key(self, key: str) -> None:
         """The run's engine API key: the server requires it, this actor's client sends it (see
-        :mod:`raygym.rollout.auth`). Call before :meth:`start`."""
-        from raygym.rollout.auth import use_engine_api_key
+        :mod:`raygym.engine_api.auth`). Call before :meth:`start`."""
+        from raygym.engine_api.auth import use_engine_api_key
 
         use_engine_api_key(key)
 
@@ -263,7 +263,7 @@ class EngineActor:
 
     def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
         """The updates of a streamed ``/generate`` as they come, on the calling thread's running event loop
-        (in-process callers only); see :meth:`raygym.engine_client.EngineClient.generate_stream`."""
+        (in-process callers only); see :meth:`raygym.engine_api.client.EngineClient.generate_stream`."""
         return self._caller_client().generate_stream(request)
 
     def call(self, endpoint: Endpoint, **fields: Any) -> Any:

@@ -1,16 +1,16 @@
 """``/generate`` written once for raygym's two servers: raygym's own (:mod:`raygym.rollout.server`) and its vLLM
 adapter (:mod:`raygym.rollout.vllm_server`).
 
-A :class:`~raygym.engine_protocol.GenerateRequest` is read into one :class:`SampleJob` per sample
+A :class:`~raygym.engine_api.protocol.GenerateRequest` is read into one :class:`SampleJob` per sample
 (:func:`read_generate`: prompts as token ids, SGLang's one-value-or-one-per-prompt fields, ``n`` samples per
 prompt); each server runs its jobs its own way and reports each as an async iterator of answers so far
-(:func:`sample_answer`: a :class:`~raygym.engine_protocol.GenerateResponse`, so both servers answer in the
+(:func:`sample_answer`: a :class:`~raygym.engine_api.protocol.GenerateResponse`, so both servers answer in the
 protocol's own model); :func:`respond` answers with the
 last of each (one object for one prompt and sample, else a list), or, with ``stream: true``, streams every
 update as a server-sent event (``index`` = the sample's place in the answer) and ends with ``data: [DONE]``
-(:mod:`raygym.engine_protocol` describes the form).
+(:mod:`raygym.engine_api.protocol` describes the form).
 
->>> from raygym.engine_protocol import GenerateRequest
+>>> from raygym.engine_api.protocol import GenerateRequest
 >>> call = read_generate(GenerateRequest(input_ids=[[3, 4], [5]], sampling_params={"n": 2}), vocab_size=10,
 ...                      encode=None, parse_params=lambda p: (p, p.get("n", 1)))
 >>> [(job.index, job.prompt, job.sample) for job in call.jobs], call.single
@@ -29,7 +29,7 @@ from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 
-from raygym.engine_protocol import STREAM_DONE, GenerateRequest, GenerateResponse, stream_frame
+from raygym.engine_api.protocol import STREAM_DONE, GenerateRequest, GenerateResponse, stream_frame
 
 P = TypeVar("P")
 Answer = GenerateResponse
@@ -150,7 +150,7 @@ def sample_answer(job: SampleJob[Any], *, text: str, output_ids: Sequence[int], 
                   prompt_logprobs: Sequence[float | None] | None = None,
                   prompt_texts: Sequence[str | None] | None = None, output_versions: Sequence[str] | None = None,
                   cached_tokens: int = 0, latency_s: float = 0.0, extra_meta: dict[str, Any] | None = None) -> Answer:
-    """One sample's answer (:class:`raygym.engine_protocol.GenerateResponse`, SGLang's form); ``finish`` None:
+    """One sample's answer (:class:`raygym.engine_api.protocol.GenerateResponse`, SGLang's form); ``finish`` None:
     the sample so far, in a stream.
 
     ``output_logprobs``: the generated tokens' log-probs, reported when the job asked for them;

@@ -45,7 +45,7 @@ from raygym.rollout.generation_request import (
     release_host_memory,
 )
 from raygym.rollout.kv_cache import _left_pad, _mergeable, new_kv_cache
-from raygym.rollout.protocol import PAUSE_MODES
+from raygym.engine_api.protocol import PAUSE_MODES
 from raygym.rollout.sampling import SamplingParams, sample_next_tokens
 
 if TYPE_CHECKING:

@@ -29,8 +29,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from raygym.engine_client import EngineAnswerError
-from raygym.engine_protocol import GenerateRequest, GenerateResponse
+from raygym.engine_api.client import EngineAnswerError
+from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 from raygym.errors import RaygymError
 from raygym.rollout.router import DEAD, HEALTHY, LOST, NoHealthyEngineError, Router
 
@@ -79,7 +79,7 @@ def answer_count_problem(request: GenerateRequest, answer: GenerateResponse | li
 
 def default_client_factory(timeout: float | None) -> ClientFactory:
     def make(url: str) -> Any:
-        from raygym.engine_client import EngineClient
+        from raygym.engine_api.client import EngineClient
 
         return EngineClient(url) if timeout is None else EngineClient(url, timeout=timeout)
 

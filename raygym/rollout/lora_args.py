@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from raygym.engine_kinds import capabilities, choose_rollout_engine
+from raygym.engine_api.kinds import capabilities, choose_rollout_engine
 from raygym.errors import ConfigError
 from raygym.lora import ADAPTER_NAME, LoraSpec
 

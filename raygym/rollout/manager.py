@@ -25,7 +25,7 @@ Hooks (callables or ``"pkg.mod:fn"`` import paths, sync or async):
   sample's generation (multi-turn, tools). ``args`` is the ``TrainConfig``; ``sample`` arrives with
   its prompt fields set; ``generate(input_ids: list[int], sampling_params: dict) -> GenerateResponse`` is
   an async function that sends one routed (and, with fault tolerance, retried) ``/generate`` request and
-  returns the engine's answer (:class:`raygym.engine_protocol.GenerateResponse`: ``text``, ``output_ids``,
+  returns the engine's answer (:class:`raygym.engine_api.protocol.GenerateResponse`: ``text``, ``output_ids``,
   ``meta_info`` with ``output_token_logprobs`` and ``finish_reason``; its fields read as attributes or
   as the JSON reads, ``answer["meta_info"]["finish_reason"]["type"]``). The function returns the sample with
   ``response_tokens``, ``response_text``, ``rollout_log_probs`` and ``loss_mask`` (one entry per
@@ -53,7 +53,7 @@ from raygym.data import (
     eval_dataset_urls,
     load_eval_datasets,
 )
-from raygym.engine_protocol import GenerateRequest, GenerateResponse
+from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 from raygym.errors import RaygymError
 from raygym.rewards import (
     RewardModel,
@@ -182,7 +182,7 @@ class RolloutManager:
 
     def use_engine_api_key(self, key: str) -> None:
         """The run's engine API key, sent with every request (call before the first one)."""
-        from raygym.rollout.auth import use_engine_api_key
+        from raygym.engine_api.auth import use_engine_api_key
 
         use_engine_api_key(key)
 

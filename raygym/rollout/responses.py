@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from raygym.engine_protocol import GenerateMetaInfo
+from raygym.engine_api.protocol import GenerateMetaInfo
 from raygym.types import Sample
 
 MAX_CONTINUATIONS = 8  # continuations of one aborted response before it is given up (status "aborted")

@@ -7,7 +7,7 @@ Run it as::
         [--max-running-requests 64] [--custom-weight-loader pkg.mod:fn ...] [--weight-source PREFIX ...] \\
         [--weight-version 0] [--seed 0] [--num-threads N] [--lora-config JSON | --lora-adapter DIR]
 
-Routes and bodies are SGLang's (:mod:`raygym.rollout.protocol`): ``/generate``, ``/health``,
+Routes and bodies are SGLang's (:mod:`raygym.engine_api.protocol`): ``/generate``, ``/health``,
 ``/health_generate``, ``/model_info`` (and the deprecated ``/get_model_info``), ``/flush_cache``,
 ``/pause_generation``, ``/continue_generation``, ``/abort_request``, ``/release_memory_occupation``,
 ``/resume_memory_occupation``, the weight routes of :mod:`raygym.rollout.server_weights`, plus
@@ -37,15 +37,15 @@ import torch
 from aiohttp import web
 
 from raygym.lora import ADAPTER_NAME
-from raygym.rollout import protocol
-from raygym.rollout.auth import engine_api_key
+from raygym.engine_api import protocol
+from raygym.engine_api.auth import engine_api_key
 from raygym.rollout.generation import (
     EngineUnavailable,
     GenerationEngine,
     GenerationRequest,
     SamplingParams,
 )
-from raygym.rollout.protocol import STATE_CHANGING, Endpoint
+from raygym.engine_api.protocol import STATE_CHANGING, Endpoint
 from raygym.rollout.routing_capture import RoutingCapture
 from raygym.rollout.server_generate import GenerateRoute, Limits
 from raygym.rollout.server_http import (

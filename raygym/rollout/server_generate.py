@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from raygym import routed_experts
-from raygym.engine_protocol import GenerateRequest, GenerateResponse
+from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 from raygym.rollout.generate_route import (
     GenerateCall,
     GenerateError,

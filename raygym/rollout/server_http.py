@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
-from raygym.rollout.auth import authorized
-from raygym.rollout.protocol import Endpoint, request_error, route_methods
+from raygym.engine_api.auth import authorized
+from raygym.engine_api.protocol import Endpoint, request_error, route_methods
 
 log = logging.getLogger("raygym.rollout.server")
 _BROWSER_SIMPLE_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
@@ -97,7 +97,7 @@ def handles_errors(fn: Handler) -> Handler:
 
 def register_routes(router: web.UrlDispatcher, handlers: dict[Endpoint, Callable[[web.Request],
                                                                         Awaitable[web.StreamResponse]]]) -> None:
-    """Serve each endpoint on exactly the methods :func:`raygym.rollout.protocol.route_methods` lists (stock
+    """Serve each endpoint on exactly the methods :func:`raygym.engine_api.protocol.route_methods` lists (stock
     SGLang's, route by route); other methods get a 405 naming the allowed ones (from the guard)."""
     for endpoint, handler in handlers.items():
         for method in sorted(route_methods(endpoint)):

@@ -18,9 +18,9 @@ import torch
 from aiohttp import web
 
 from raygym.errors import ConfigError
-from raygym.rollout import protocol
+from raygym.engine_api import protocol
 from raygym.rollout.adapter_layers import adapter_names, load_adapter
-from raygym.rollout.protocol import Endpoint
+from raygym.engine_api.protocol import Endpoint
 from raygym.rollout.server_http import BadRequest, handles_errors, parse, register_routes
 
 

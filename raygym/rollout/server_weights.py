@@ -20,9 +20,9 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from raygym.rollout import protocol
+from raygym.engine_api import protocol
 from raygym.rollout.generation import GenerationEngine
-from raygym.rollout.protocol import Endpoint
+from raygym.engine_api.protocol import Endpoint
 from raygym.rollout.server_http import (
     BadRequest,
     handles_errors,

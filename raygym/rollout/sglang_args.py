@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from raygym.config import Recipe
-from raygym.engine_kinds import DIRECT_LOADER, MODEL_LOADER, check_routing_replay, version_tuple
+from raygym.engine_api.kinds import DIRECT_LOADER, MODEL_LOADER, check_routing_replay, version_tuple
 from raygym.errors import ConfigError
 from raygym.routed_experts import SERVER_FLAG
 
@@ -223,7 +223,7 @@ def build_raygym_server_argv(
     extra_args: Iterable[str] = (),
 ) -> list[str]:
     """``python -m raygym.rollout.server ...`` (the built-in server, CPU or GPU). Its API key comes from
-    the environment (``raygym.rollout.auth.ENGINE_API_KEY_ENV``), never from this command line.
+    the environment (``raygym.engine_api.auth.ENGINE_API_KEY_ENV``), never from this command line.
     ``return_routed_experts``: MoE routing replay (the server keeps its routers' choices for requests that ask)."""
     if host == "0.0.0.0":
         raise ConfigError("host='0.0.0.0': engines bind their node IP or 127.0.0.1; pass the node IP")

@@ -43,7 +43,7 @@ def build_vllm_argv(recipe: Recipe, *, model_path: str, host: str, port: int, py
                     device: str = "cuda", weight_version: str | int | None = None,
                     extra_args: Iterable[str] = ()) -> list[str]:
     """``python -m raygym.rollout.vllm_server ...`` for one engine. Its API key comes from the environment
-    (``raygym.rollout.auth.ENGINE_API_KEY_ENV``), never from this command line. Colocated on GPU the engine
+    (``raygym.engine_api.auth.ENGINE_API_KEY_ENV``), never from this command line. Colocated on GPU the engine
     gets vLLM's sleep mode, without which releasing memory frees nothing."""
     if host == "0.0.0.0":
         raise ConfigError("host='0.0.0.0': engines bind their node IP or 127.0.0.1; pass the node IP")

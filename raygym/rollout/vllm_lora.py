@@ -3,7 +3,7 @@ request's ``lora_path``) on vLLM's ``LoRARequest``\\s. Runs in vLLM's interprete
 
 Loading a name that is loaded already replaces it in one step: the new ``LoRARequest`` (a fresh integer id) is
 added, requests from then on use it, and the old one is removed; no request finds the name missing in between
-(``lora_replace`` in :mod:`raygym.engine_kinds`).
+(``lora_replace`` in :mod:`raygym.engine_api.kinds`).
 
 >>> vllm_lora_rank(8), vllm_lora_rank(4), vllm_lora_rank(20)
 (8, 8, 32)

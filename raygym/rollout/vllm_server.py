@@ -7,7 +7,7 @@ Run by the interpreter where vLLM is installed, with raygym importable (the Engi
         [--dtype auto] [--seed 0] [--weight-version 0] [--enable-sleep-mode] [--enforce-eager]
 
 Why an adapter and not ``vllm serve``: vLLM's HTTP server speaks OpenAI's API (text in, text out); raygym's
-rollout manager, EngineActor and weight sync speak SGLang's native API (:mod:`raygym.rollout.protocol`: token
+rollout manager, EngineActor and weight sync speak SGLang's native API (:mod:`raygym.engine_api.protocol`: token
 ids in, token ids and per-token log-probs out, pause/flush/abort, weight routes). vLLM's documented way to
 embed its engine is ``AsyncLLM``, which this process runs (vLLM spawns its engine-core and worker processes
 from here). Routes map onto vLLM's engine as follows:
@@ -53,9 +53,9 @@ from typing import Any
 
 from aiohttp import web
 
-from raygym.rollout import protocol
+from raygym.engine_api import protocol
 from raygym.rollout import vllm_protocol as vp
-from raygym.rollout.auth import engine_api_key
+from raygym.engine_api.auth import engine_api_key
 from raygym.rollout.generate_route import (
     GenerateError,
     SampleJob,
@@ -64,7 +64,7 @@ from raygym.rollout.generate_route import (
     respond,
     sample_answer,
 )
-from raygym.rollout.protocol import STATE_CHANGING, Endpoint, GenerateResponse
+from raygym.engine_api.protocol import STATE_CHANGING, Endpoint, GenerateResponse
 from raygym.rollout.server_http import (
     BadRequest,
     guard_middleware,

@@ -6,7 +6,7 @@
 raygym's server delegates those endpoints here (it adds HTTP, ordering and the model lock); tests and
 benchmarks run it in plain processes or Ray actors as a receiver that does not generate (so
 pause/continue/flush are trivially successful). Request bodies are the models of
-:mod:`raygym.rollout.protocol`; answers are SGLang's ``{"success", "message"}``.
+:mod:`raygym.engine_api.protocol`; answers are SGLang's ``{"success", "message"}``.
 
 Every update loaded by copy is all or nothing (see :mod:`raygym.weightsync.loader`): names, shapes and
 dtypes are checked and tensors staged before anything is written, so a failed update leaves the weights
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from raygym.callables import load_callable
-from raygym.rollout import protocol
+from raygym.engine_api import protocol
 from raygym.weightsync import in_place, loader
 from raygym.weightsync.codec import checksum, dtype_from_name
 from raygym.weightsync.payload import BUCKET_NAME, LOADER, MANIFEST_NAME, Manifest

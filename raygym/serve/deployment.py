@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from raygym.config import Recipe
-from raygym.engine_protocol import GenerateRequest, GenerateResponse
+from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 from raygym.errors import ConfigError
 
 API_KEY_ENV = "RAYGYM_SERVE_API_KEY"
@@ -216,7 +216,7 @@ def preflight_engine_here(settings: ServeSettings) -> str:
     the kind; ConfigError names the fix."""
     import torch
 
-    from raygym.engine_kinds import choose_rollout_engine
+    from raygym.engine_api.kinds import choose_rollout_engine
     from raygym.engine_python import check_engine_python
     from raygym.rollout.vllm_args import check_cpu_head_dim, checkpoint_head_dim
 
@@ -237,7 +237,7 @@ class OpenAIReplica:
         import ray
         from transformers import AutoTokenizer
 
-        from raygym.engine_kinds import choose_rollout_engine
+        from raygym.engine_api.kinds import choose_rollout_engine
         from raygym.rollout.engine import EngineActor
         from raygym.serve.front import OpenAIFront
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible front of one engine: requests -> engine ``/generate`` requests -> OpenAI answers.
 
 No Ray and no HTTP here: :class:`OpenAIFront` gets the tokenizer and an :class:`Engine` that posts SGLang's
-``/generate`` (:class:`~raygym.engine_protocol.GenerateRequest`: input_ids, one ``sampling_params`` per
+``/generate`` (:class:`~raygym.engine_api.protocol.GenerateRequest`: input_ids, one ``sampling_params`` per
 row, ``return_logprob``) through :class:`raygym.rollout.engine.EngineActor`. It applies the chat template,
 checks the context length, expands ``n`` into rows (choice ``i`` of prompt ``p`` is row ``p * n + i``,
 OpenAI's order), gives each row its own ``sampling_seed`` when the request has a ``seed``, and builds the
@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from raygym.engine_protocol import GenerateRequest, GenerateResponse
+from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 from raygym.serve.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -311,7 +311,7 @@ def sse(payload: Any) -> str:
 
 def engine_error(exc: Exception) -> OpenAIError:
     """An engine failure as OpenAI's error: the engine's 4xx refusals are the client's (400), the rest 5xx."""
-    from raygym.engine_client import EngineConnectionError, EngineHTTPError
+    from raygym.engine_api.client import EngineConnectionError, EngineHTTPError
 
     if isinstance(exc, EngineHTTPError) and 400 <= exc.status < 500:
         return OpenAIError(400, f"the engine refused the request: {exc.message()}")

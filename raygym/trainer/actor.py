@@ -307,7 +307,7 @@ class TrainerActor:
 
     def use_engine_api_key(self, key: str) -> None:
         """The run's engine API key, for the weight-sync requests this rank sends."""
-        from raygym.rollout.auth import use_engine_api_key
+        from raygym.engine_api.auth import use_engine_api_key
 
         use_engine_api_key(key)
 

@@ -6,7 +6,7 @@ with the transports :mod:`.transport_dist` (nccl/gloo), :mod:`.transport_disk`, 
 Engine side: :mod:`.loader` (``load_payload``, SGLang custom-loader convention), used by the engine's weight
 routes in :mod:`raygym.rollout.weight_receiver`. Driver side: :class:`.coordinator.WeightSync`. Heavy modules
 are imported on use. ``raygym.rollout`` imports this package, never the reverse: what both need of the
-engines (:mod:`raygym.engine_kinds`, :mod:`raygym.engine_auth`) sits below both.
+engines (:mod:`raygym.engine_api.kinds`, :mod:`raygym.engine_api.auth`) sits below both.
 """
 
 from raygym.weightsync.codec import apply_delta, checksum, encode_delta

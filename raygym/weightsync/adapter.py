@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from raygym.engine_kinds import capabilities
-from raygym.engine_protocol import Endpoint, LoadLoRAAdapter, UnloadLoRAAdapter, UpdateWeightVersion
+from raygym.engine_api.kinds import capabilities
+from raygym.engine_api.protocol import Endpoint, LoadLoRAAdapter, UnloadLoRAAdapter, UpdateWeightVersion
 from raygym.errors import ConfigError, WeightSyncError
 from raygym.lora import ADAPTER_NAME, write_adapter
 from raygym.weightsync.codec import dtype_from_name

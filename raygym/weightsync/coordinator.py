@@ -4,7 +4,7 @@
 2. flush the KV cache (retried with a bound; in-flight requests aborted first if it keeps failing);
 3. [SGLang >= 0.5.23] open a weight-update session (``/begin_weight_update``);
 4. the trainers push ``version`` (rank 0 sends; full or delta, see :mod:`raygym.weightsync.sender`);
-5. verify, as the engine kind declares (:mod:`raygym.engine_kinds`): ``checksum`` compares every
+5. verify, as the engine kind declares (:mod:`raygym.engine_api.kinds`): ``checksum`` compares every
    engine's per-tensor checksums with the sender's (``/raygym/weights_checksum``); ``probe`` checks the
    weight version each engine reports (``/model_info``), the checksums of the tensors it loaded where it
    keeps them (vLLM's workers), and, once generation continues, that the engine's log-probs of a seeded
@@ -24,7 +24,7 @@ before each sync (among the payloads the engine kind takes over the transport) a
 sync cost: ``sync/mode``, ``sync/predicted_s`` (for the chosen mode), ``sync/predicted_full_s``,
 ``sync/predicted_delta_s``, ``sync/measured_s``, ``sync/explore`` (1 when the mode was picked to be measured).
 
-``update_weight_double_buffer`` (engines that can, :mod:`raygym.engine_kinds`): steps 1-2 are
+``update_weight_double_buffer`` (engines that can, :mod:`raygym.engine_api.kinds`): steps 1-2 are
 skipped; the engines load ``version`` into a shadow copy while they keep generating
 (``/raygym/shadow_begin``), the shadow's checksums are verified, and ``/raygym/shadow_switch`` swaps it in
 between two forward passes (aborting what is in flight first when the pause mode is ``abort``). A fully
@@ -49,8 +49,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from raygym.config import Recipe
-from raygym.engine_kinds import capabilities
-from raygym.engine_protocol import (
+from raygym.engine_api.kinds import capabilities
+from raygym.engine_api.protocol import (
     AbortRequest,
     BeginWeightUpdate,
     ContinueGeneration,

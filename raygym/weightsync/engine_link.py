@@ -1,9 +1,9 @@
 """How the weight-sync sender and coordinator talk to one engine: the endpoints of the engine protocol
-(:mod:`raygym.engine_protocol`) they use.
+(:mod:`raygym.engine_api.protocol`) they use.
 
 Three implementations of one small interface, all synchronous with an explicit timeout per call:
 ``HttpEngineLink`` (raygym's server, its vLLM adapter or stock SGLang, over HTTP through the one engine
-client, :mod:`raygym.engine_client`), ``ActorEngineLink`` (a Ray actor that exposes the same methods, e.g. a
+client, :mod:`raygym.engine_api.client`), ``ActorEngineLink`` (a Ray actor that exposes the same methods, e.g. a
 receiver in tests and benchmarks) and ``LocalEngineLink`` (an object in this process). Requests are the
 protocol's request models; :func:`checked` parses every answer with the route's answer model, and turns
 every failure into :class:`raygym.errors.WeightSyncError` naming the engine.
@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import Any, Protocol
 
-from raygym.engine_protocol import ROUTES, Endpoint, body_fields, request_body
+from raygym.engine_api.protocol import ROUTES, Endpoint, body_fields, request_body
 from raygym.errors import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def checked(link: EngineLink, endpoint: Endpoint, body: Any, timeout: float) -> 
     """``link.call``, its answer parsed by the route's answer model (a list for a batched ``/generate``; None for
     routes without one). Raises ``WeightSyncError`` naming the engine when the call fails or the answer says
     ``success: false``."""
-    from raygym.engine_client import EngineHTTPError, parse_answer
+    from raygym.engine_api.client import EngineHTTPError, parse_answer
 
     try:
         answer = link.call(endpoint, request_body(endpoint, body), timeout)
@@ -61,10 +61,10 @@ _clients_lock = threading.Lock()
 
 
 def _client(base_url: str) -> Any:
-    """The pooled :class:`~raygym.engine_client.EngineClient` of ``base_url`` for synchronous calls (one per URL
-    and process, on :func:`raygym.engine_client.shared_loop`). Building a client costs far more than a pooled
+    """The pooled :class:`~raygym.engine_api.client.EngineClient` of ``base_url`` for synchronous calls (one per URL
+    and process, on :func:`raygym.engine_api.client.shared_loop`). Building a client costs far more than a pooled
     request, as much as a whole weight transfer of a small model."""
-    from raygym.engine_client import EngineClient
+    from raygym.engine_api.client import EngineClient
 
     with _clients_lock:
         if not _clients:
@@ -76,7 +76,7 @@ def _client(base_url: str) -> Any:
 
 def close_pooled_clients() -> None:
     """Close the pooled clients' connections (at exit, so none is left for aiohttp to report unclosed)."""
-    from raygym.engine_client import shared_loop
+    from raygym.engine_api.client import shared_loop
 
     with _clients_lock:
         clients = list(_clients.values())
@@ -90,14 +90,14 @@ def close_pooled_clients() -> None:
 
 class HttpEngineLink:
     """An engine behind SGLang's HTTP API at ``base_url`` (raygym's server, its vLLM adapter or
-    ``sglang.launch_server``). Every request carries the run's engine API key (see :mod:`raygym.engine_auth`)."""
+    ``sglang.launch_server``). Every request carries the run's engine API key (see :mod:`raygym.engine_api.auth`)."""
 
     def __init__(self, base_url: str, name: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.name = name or self.base_url
 
     def call(self, endpoint: Endpoint, body: Any, timeout: float) -> Any:
-        from raygym.engine_client import shared_loop
+        from raygym.engine_api.client import shared_loop
 
         client = _client(self.base_url)
         return shared_loop().run(client.send_json(endpoint, body, timeout=timeout), timeout + 5.0)

@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from raygym.engine_protocol import GenerateRequest
+from raygym.engine_api.protocol import GenerateRequest
 
 # Calibration (see ProbeCalibration), from measurements on the builtin tiny Qwen3 (docs/engines.md, "The probe"):
 # over 200 honest syncs of a bf16 engine whose model moved far (lr 1e-2), the mean difference stayed within
@@ -123,7 +123,7 @@ class EngineProbe:
     @classmethod
     def from_answer(cls, answer: Any, request: GenerateRequest) -> EngineProbe:
         """Read the answer to :meth:`ProbeSpec.generate_request` (a list of
-        :class:`~raygym.engine_protocol.GenerateResponse`, one per item of ``request``). Items whose prompt
+        :class:`~raygym.engine_api.protocol.GenerateResponse`, one per item of ``request``). Items whose prompt
         log-probs were asked for are scored from their first token on."""
         if not isinstance(answer, list):
             raise ValueError(f"probe: expected a list of answers, got {type(answer).__name__}")

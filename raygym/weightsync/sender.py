@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from raygym.config import Recipe
-from raygym.engine_kinds import capabilities, check_weight_sync, payload_modes
+from raygym.engine_api.kinds import capabilities, check_weight_sync, payload_modes
 from raygym.errors import ConfigError, WeightSyncError
 from raygym.weightsync import moe_names
 from raygym.weightsync.buckets import BucketPlanner
@@ -118,7 +118,7 @@ class SenderSpec:
     backend: str | None = None  # default: nccl with CUDA, else gloo
     cast_dtype: str | None = None  # engine dtype (e.g. "bfloat16"): floating tensors are cast before encoding
     keep_disk_versions: bool = False
-    engine_kind: str = "raygym"  # what receives: decides the wire format (raygym.engine_kinds)
+    engine_kind: str = "raygym"  # what receives: decides the wire format (raygym.engine_api.kinds)
     adapter_config: dict[str, Any] | None = None  # LoRA: the adapters' PEFT config (only adapters are sent)
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -98,7 +98,7 @@ def _blend(old: float | None, new: float, weight: float) -> float:
 class SyncCostModel:
     """Predicts full and delta sync seconds for one transport and engine kind; picks the cheaper one.
 
-    ``modes``: the modes the engine kind can receive over the transport (``raygym.engine_kinds``).
+    ``modes``: the modes the engine kind can receive over the transport (``raygym.engine_api.kinds``).
     """
 
     modes: tuple[str, ...] = MODES

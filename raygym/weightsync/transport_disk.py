@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from raygym.engine_protocol import Endpoint, UpdateWeightsFromDisk, UpdateWeightsFromTensor
+from raygym.engine_api.protocol import Endpoint, UpdateWeightsFromDisk, UpdateWeightsFromTensor
 from raygym.errors import WeightSyncError
 from raygym.weightsync.codec import as_uint8, dtype_from_name
 from raygym.weightsync.engine_link import EngineLink, checked

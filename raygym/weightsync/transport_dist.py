@@ -36,7 +36,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 
-from raygym.engine_protocol import (
+from raygym.engine_api.protocol import (
     FLATTENED_BUCKET,
     DestroyWeightsUpdateGroup,
     Endpoint,

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from raygym.engine_protocol import Endpoint, UpdateWeightsFromTensor
+from raygym.engine_api.protocol import Endpoint, UpdateWeightsFromTensor
 from raygym.errors import WeightSyncError
 from raygym.weightsync.codec import dtype_from_name
 from raygym.weightsync.engine_link import EngineLink, checked

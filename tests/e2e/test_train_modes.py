@@ -57,7 +57,7 @@ def engine_urls(run_dir: str | Path) -> list[str]:
 
 def get_json(url: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
     """An engine route, with the run's engine API key (the driver, this process, minted it)."""
-    from raygym.rollout.auth import auth_headers
+    from raygym.engine_api.auth import auth_headers
 
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **auth_headers()})

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from raygym.engine_protocol import Endpoint, GenerateRequest
+from raygym.engine_api.protocol import Endpoint, GenerateRequest
 from raygym.presets import tiny
 from raygym.rollout.engine import EngineActor
 

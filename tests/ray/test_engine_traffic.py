@@ -23,7 +23,7 @@ import pytest
 from aiohttp import web
 
 from raygym.config import DatasetConfig, ModelConfig, Recipe, TrainConfig
-from raygym.engine_protocol import GenerateRequest
+from raygym.engine_api.protocol import GenerateRequest
 from raygym.presets import tiny
 from raygym.rollout.health import EnginePool
 from raygym.rollout.manager import RolloutManager

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from raygym.builtin import build_tiny_model
 from raygym.rollout.generation import GenerationEngine
-from raygym.rollout.protocol import RAYGYM_ROUTE_METHODS, SGLANG_ROUTE_METHODS, Endpoint, route_methods
+from raygym.engine_api.protocol import RAYGYM_ROUTE_METHODS, SGLANG_ROUTE_METHODS, Endpoint, route_methods
 from raygym.rollout.server import InferenceServer
 from raygym.rollout.vllm_server import VllmAdapter
 

@@ -22,8 +22,8 @@ import torch
 from pydantic import BaseModel
 
 from raygym.builtin import build_tiny_model
-from raygym.engine_protocol import GenerateRequest
-from raygym.rollout.client import EngineClient, EngineHTTPError
+from raygym.engine_api.protocol import GenerateRequest
+from raygym.engine_api.client import EngineClient, EngineHTTPError
 from raygym.rollout.engine import free_port
 from raygym.rollout.server import tensor_checksum
 from raygym.rollout.weight_receiver import destroy_group

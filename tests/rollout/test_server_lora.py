@@ -38,7 +38,7 @@ def log_probs(model: torch.nn.Module) -> list[float]:
 
 
 def post(url: str, route: str, body: dict) -> httpx.Response:
-    from raygym.rollout.auth import auth_headers
+    from raygym.engine_api.auth import auth_headers
 
     return httpx.post(f"{url}/{route}", json=body, headers=auth_headers(), timeout=60)
 

@@ -25,7 +25,7 @@ def moe_model(tmp_path_factory) -> str:
 
 
 def post(url: str, body: dict) -> httpx.Response:
-    from raygym.rollout.auth import auth_headers
+    from raygym.engine_api.auth import auth_headers
 
     return httpx.post(f"{url}/generate", json=body, headers=auth_headers(), timeout=120)
 

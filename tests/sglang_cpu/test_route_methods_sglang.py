@@ -1,4 +1,4 @@
-"""raygym's table of SGLang's HTTP methods (``raygym.rollout.protocol.SGLANG_ROUTE_METHODS``), derived from
+"""raygym's table of SGLang's HTTP methods (``raygym.engine_api.protocol.SGLANG_ROUTE_METHODS``), derived from
 each release the ``sglang`` extra allows: the routes of its ``srt/entrypoints/http_server.py`` (the FastAPI
 decorators ``@app.get/post/put/delete`` and ``@app.api_route(..., methods=[...])``), read with ``ast`` from the
 package scripts/install_sglang_cpu.sh downloads (``args/<version>``)."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from raygym.rollout.protocol import SGLANG_ROUTE_METHODS, Endpoint
+from raygym.engine_api.protocol import SGLANG_ROUTE_METHODS, Endpoint
 from raygym.rollout.sglang_args import SUPPORTED_SGLANG
 
 pytestmark = pytest.mark.sglang_cpu

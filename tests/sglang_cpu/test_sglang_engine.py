@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from raygym.config import Recipe
-from raygym.engine_client import EngineClient
-from raygym.engine_protocol import Endpoint, GenerateRequest
+from raygym.engine_api.client import EngineClient
+from raygym.engine_api.protocol import Endpoint, GenerateRequest
 from raygym.errors import WeightSyncError
-from raygym.rollout.auth import use_engine_api_key
+from raygym.engine_api.auth import use_engine_api_key
 from raygym.rollout.engine import EngineActor
 from raygym.weightsync.coordinator import WeightSync
 from tests.weightsync.faults import (
@@ -268,7 +268,7 @@ PARITY = [
 
 
 def test_malformed_requests_against_sglang_and_raygym(engine, sglang_model):
-    from raygym.rollout.auth import auth_headers
+    from raygym.engine_api.auth import auth_headers
     from tests.rollout.test_server_robustness import start_server
 
     sglang_statuses = [httpx.post(f"{engine.url()}{path}", json=body, headers=auth_headers(), timeout=60).status_code
@@ -294,7 +294,7 @@ METHOD_PARITY = [
 
 
 def test_http_methods_match_stock_sglang_route_by_route(engine, sglang_model):
-    from raygym.rollout.auth import auth_headers
+    from raygym.engine_api.auth import auth_headers
     from tests.rollout.test_server_robustness import start_server
 
     def answers(url: str) -> list[bool]:
@@ -312,7 +312,7 @@ def test_http_methods_match_stock_sglang_route_by_route(engine, sglang_model):
 def test_an_update_mid_generation_splits_the_response_into_two_versions(engine, sglang_python, sglang_model):
     """fully_async on stock SGLang: the sync aborts the request in flight, raygym continues it on the new
     weights; each part's log-probs match the trainer at its own version."""
-    from raygym.rollout.auth import auth_headers
+    from raygym.engine_api.auth import auth_headers
     from tests.inflight_split import assert_update_mid_generation_splits_versions
 
     trainer = LocalTrainer(sglang_model, lr=2e-2)

@@ -12,11 +12,11 @@ import torch
 from raygym.builtin import build_tokenizer
 from raygym.config import Recipe
 from raygym.distill import TeacherActor, distill_advantages, reverse_kl_per_token
-from raygym.engine_protocol import GenerateRequest
+from raygym.engine_api.protocol import GenerateRequest
 from raygym.envs import Environment, EpisodeRunner, Step
 from raygym.judge import JudgeClient, JudgeSettings
 from raygym.presets import tiny
-from raygym.rollout.client import EngineClient
+from raygym.engine_api.client import EngineClient
 from raygym.rollout.engine import EngineActor
 from raygym.rollout.tasks import sample_metrics
 from raygym.trainer.batch import TrainBatch

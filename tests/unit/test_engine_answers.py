@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from raygym.engine_protocol import GenerateResponse
+from raygym.engine_api.protocol import GenerateResponse
 
 
 def test_sglangs_answer_to_an_aborted_request_is_read():

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from raygym.engine_protocol import (
+from raygym.engine_api.protocol import (
     Endpoint,
     PauseGeneration,
     StatusAnswer,

@@ -10,7 +10,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from raygym.engine_protocol import GenerateRequest, GenerateResponse
+from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 from raygym.rollout.health import EnginePool, actor_gone
 from raygym.rollout.router import HEALTHY, LOST, NEEDS_WEIGHTS, Router
 

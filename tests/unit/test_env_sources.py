@@ -14,7 +14,7 @@ from raygym import TrainConfig
 from raygym.builtin import build_tokenizer
 from raygym.config import load_train_config
 from raygym.data_prepare import PrepareOptions, prepare_dataset
-from raygym.engine_protocol import GenerateResponse
+from raygym.engine_api.protocol import GenerateResponse
 from raygym.envs import Environment, EpisodeRunner, Step
 from raygym.envs.chat_tokens import ChatTokens
 from raygym.envs.openenv_env import action_field, observation_text

@@ -60,8 +60,8 @@ PROBES: dict[str, tuple[str, tuple[str, ...]]] = {
             "raygym.actor_group",
             "raygym.presets",
             "raygym.cli",
-            "raygym.rollout.protocol",
-            "raygym.rollout.capabilities",
+            "raygym.engine_api.protocol",
+            "raygym.engine_api.kinds",
         ]
     },
     **{name: (f"import {name}", tier) for name, tier in ALGO_TIERS.items()},

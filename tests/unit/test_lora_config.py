@@ -25,7 +25,7 @@ from raygym.lora import (
     split_tensor_name,
     write_adapter,
 )
-from raygym.rollout.capabilities import capabilities, check_lora
+from raygym.engine_api.kinds import capabilities, check_lora
 from raygym.rollout.lora_args import adapter_request_fields, engine_lora_args
 from raygym.rollout.vllm_lora import lora_engine_args, vllm_lora_rank
 

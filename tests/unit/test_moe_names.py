@@ -23,7 +23,7 @@ def moe(tmp_path_factory):
 
 
 def test_every_engine_kind_has_a_layout():
-    from raygym.engine_kinds import ENGINE_KINDS
+    from raygym.engine_api.kinds import ENGINE_KINDS
 
     assert set(EXPERT_LAYOUT) == set(ENGINE_KINDS)
 

@@ -1,7 +1,7 @@
-"""The engine protocol is written once: outside ``raygym/engine_protocol.py`` no module of ``raygym/`` names an
+"""The engine protocol is written once: outside ``raygym/engine_api/protocol.py`` no module of ``raygym/`` names an
 engine endpoint by a string (``"/generate"``, or ``"update_weights_from_distributed"`` handed to a call as a
 route) or builds a ``/generate`` body by hand (a dict or ``dict(...)`` with ``sampling_params`` beside
-``input_ids`` or ``text``): they use :class:`raygym.engine_protocol.Endpoint` and the request models. Read
+``input_ids`` or ``text``): they use :class:`raygym.engine_api.protocol.Endpoint` and the request models. Read
 from the source with ``ast`` (docstrings are prose and are left out)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from raygym.engine_protocol import Endpoint
+from raygym.engine_api.protocol import Endpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTOCOL = ROOT / "raygym" / "engine_protocol.py"
+PROTOCOL = ROOT / "raygym" / "engine_api" / "protocol.py"
 PATHS = {e.value for e in Endpoint}
 NAMES = {e.name_without_slash for e in Endpoint}
 # Calls whose string argument names a field or attribute, not a route.

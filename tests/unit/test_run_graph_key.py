@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from raygym.engine_auth import ENGINE_API_KEY_ENV
+from raygym.engine_api.auth import ENGINE_API_KEY_ENV
 from raygym.graph import end_run
 
 

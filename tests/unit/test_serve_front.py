@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from raygym.builtin import build_tokenizer
-from raygym.engine_protocol import GenerateRequest, GenerateResponse
+from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 from raygym.errors import ConfigError
 from raygym.serve.deployment import API_KEY_ENV, ServeSettings, deployment_options, read_api_key
 from raygym.serve.front import OpenAIError, OpenAIFront, row_seed
@@ -202,7 +202,7 @@ def test_http_app_requires_the_key_and_answers_openai_errors(front):
 
 
 def test_engine_failures_map_to_openai_errors():
-    from raygym.rollout.client import EngineConnectionError, EngineHTTPError
+    from raygym.engine_api.client import EngineConnectionError, EngineHTTPError
 
     tok = build_tokenizer()
 

@@ -9,7 +9,7 @@ import pytest
 
 from raygym.config import Recipe
 from raygym.errors import ConfigError
-from raygym.rollout.capabilities import MODEL_LOADER
+from raygym.engine_api.kinds import MODEL_LOADER
 from raygym.rollout.sglang_args import (
     DELTA_LOADER,
     SUPPORTED_SGLANG,

@@ -7,9 +7,9 @@ import pytest
 
 from raygym.config import Recipe
 from raygym.errors import ConfigError
-from raygym.rollout.capabilities import capabilities, check_weight_sync, weight_update_session
+from raygym.engine_api.kinds import capabilities, check_weight_sync, weight_update_session
 from raygym.rollout.generate_route import SampleJob, per_item, prompt_batch, sample_answer
-from raygym.rollout.protocol import GenerateResponse
+from raygym.engine_api.protocol import GenerateResponse
 from raygym.rollout.vllm_args import build_vllm_argv, check_cpu_head_dim, max_model_len
 from raygym.rollout.vllm_protocol import finish_reason, sampling_kwargs
 

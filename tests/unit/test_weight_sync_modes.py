@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from raygym import ConfigError, Recipe
-from raygym.rollout.capabilities import check_weight_sync, payload_modes
+from raygym.engine_api.kinds import check_weight_sync, payload_modes
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.sender import SenderSpec
 

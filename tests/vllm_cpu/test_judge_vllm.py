@@ -10,8 +10,8 @@ import pytest
 
 from raygym.aux_groups import judge_engine_recipe
 from raygym.config import Recipe
-from raygym.engine_client import EngineClient
-from raygym.engine_protocol import GenerateRequest, GenerateResponse
+from raygym.engine_api.client import EngineClient
+from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 from raygym.judge import JudgeClient, JudgeSettings, parse_score, render_prompt
 from raygym.rollout.engine import EngineActor
 from raygym.rollout.vllm_args import max_model_len

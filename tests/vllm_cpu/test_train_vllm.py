@@ -60,7 +60,7 @@ def test_fully_async_with_vllm_learns_within_the_staleness_bound(tmp_path, vllm_
 def test_tiny_moe_learns_with_vllm(tmp_path, vllm_python):
     """builtin:tiny-qwen3-moe (8 experts, top-2, head_dim 32) from the torch backend: its fused in-memory expert
     tensors reach vLLM's Qwen3-MoE loader under the checkpoint's per-expert names, every sync verified by the
-    probe. (vLLM returns no routed experts, so routing replay is refused before Ray: raygym.engine_kinds.)"""
+    probe. (vLLM returns no routed experts, so routing replay is refused before Ray: raygym.engine_api.kinds.)"""
     rows, _ = train_with_engine(["--hf-checkpoint", "builtin:tiny-qwen3-moe", "--rollout-engine", "vllm",
                                  "--rollout-engine-python", vllm_python, "--num-rollout", str(STEPS)],
                                 tmp_path / "run")

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from raygym.config import Recipe
-from raygym.engine_protocol import Endpoint, GenerateRequest
+from raygym.engine_api.protocol import Endpoint, GenerateRequest
 from raygym.errors import WeightSyncError
-from raygym.rollout.auth import use_engine_api_key
+from raygym.engine_api.auth import use_engine_api_key
 from raygym.rollout.engine import EngineActor
 from raygym.rollout.vllm_server import cpu_dtype
 from raygym.weightsync.coordinator import WeightSync

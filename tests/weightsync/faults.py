@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from raygym.engine_protocol import Endpoint, UpdateWeightsFromTensor
+from raygym.engine_api.protocol import Endpoint, UpdateWeightsFromTensor
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.engine_link import HttpEngineLink
 from raygym.weightsync.tensor_pickle import dumps_named_tensors

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from raygym.config import Recipe
-from raygym.engine_protocol import Endpoint, GenerateRequest, WeightsChecksum
+from raygym.engine_api.protocol import Endpoint, GenerateRequest, WeightsChecksum
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.engine_link import HttpEngineLink
 from tests.weightsync.local_trainer import LocalTrainer

@@ -46,7 +46,7 @@ def train_once(actor: TrainerActor, seed: int) -> None:
 
 
 def engine_log_probs(url: str, prompt: list[int], response: list[int]) -> list[float]:
-    from raygym.rollout.auth import auth_headers
+    from raygym.engine_api.auth import auth_headers
 
     answer = httpx.post(f"{url}/generate", json={
         "input_ids": prompt + response, "sampling_params": {"max_new_tokens": 1, "temperature": 1.0},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from raygym.engine_protocol import GenerateResponse
+from raygym.engine_api.protocol import GenerateResponse
 from raygym.weightsync.probe import (
     MIN_MAX,
     MIN_MEAN,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raygym.rollout.protocol import UpdateWeightsFromDistributed
+from raygym.engine_api.protocol import UpdateWeightsFromDistributed
 from raygym.rollout.weight_receiver import WeightReceiver, destroy_group
 from raygym.weightsync.transport_dist import broadcast, free_port, host_store, join_group
 

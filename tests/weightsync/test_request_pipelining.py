@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from raygym.config import Recipe
-from raygym.engine_protocol import Endpoint
+from raygym.engine_api.protocol import Endpoint
 from raygym.weightsync.codec import checksum
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.engine_link import HttpEngineLink

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from raygym.config import Recipe
-from raygym.engine_protocol import Endpoint
+from raygym.engine_api.protocol import Endpoint
 from raygym.errors import WeightSyncError
 from raygym.rollout.weight_receiver import WeightReceiver
 from raygym.weightsync.codec import checksum

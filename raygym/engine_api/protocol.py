@@ -4,10 +4,10 @@ Endpoint paths, the request bodies and the answers, as pydantic models with the 
 defaults of SGLang's ``srt/managers/io_struct.py`` (checked against SGLang 0.5.6, 0.5.15.post1, 0.5.18
 and 0.5.23), and :data:`ROUTES`, which names each route's method, request and answer. raygym's servers
 (:mod:`raygym.rollout.server`, :mod:`raygym.rollout.vllm_server`) validate requests with these models; the
-one engine client (:mod:`raygym.engine_client`: the rollout manager, the EngineActor, the weight sync, the
+one engine client (:mod:`raygym.engine_api.client`: the rollout manager, the EngineActor, the weight sync, the
 judge, ``raygym serve``) builds every request from them and parses every answer with them, so no side can
 drift from the other. Pure: pydantic only. It sits below ``raygym.rollout`` and ``raygym.weightsync``,
-which both speak it (``raygym.rollout.protocol`` re-exports it).
+which both speak it (``raygym.engine_api.protocol`` re-exports it).
 
 Requests: top-level fields a model does not know are ignored, as SGLang's server ignores them; wrong types
 are errors naming the field (``master_port`` may arrive as a string, as SGLang's own tests send it, and is

@@ -1,8 +1,8 @@
-"""The one HTTP client of the engine API (:mod:`raygym.engine_protocol`): SGLang's native API, raygym's server,
+"""The one HTTP client of the engine API (:mod:`raygym.engine_api.protocol`): SGLang's native API, raygym's server,
 raygym's vLLM adapter.
 
-Every request is a model of the protocol, sent to an :class:`~raygym.engine_protocol.Endpoint` on the method
-:data:`~raygym.engine_protocol.ROUTES` names; every answer is parsed by that route's answer model. Failures
+Every request is a model of the protocol, sent to an :class:`~raygym.engine_api.protocol.Endpoint` on the method
+:data:`~raygym.engine_api.protocol.ROUTES` names; every answer is parsed by that route's answer model. Failures
 raise :class:`EngineHTTPError` (the server answered with an error status) or :class:`EngineConnectionError`
 (no answer), both naming the URL and the endpoint.
 
@@ -14,7 +14,7 @@ calls, the EngineActor's methods) run it on a private event loop thread (:class:
 the servers drop theirs (uvicorn, under SGLang: 5 s), so a request never races a server closing its end.
 
 >>> import asyncio
->>> from raygym.engine_protocol import GenerateRequest
+>>> from raygym.engine_api.protocol import GenerateRequest
 >>> async def demo(url):
 ...     async with EngineClient(url) as c:
 ...         out = await c.generate(GenerateRequest(input_ids=[5, 6], sampling_params={"max_new_tokens": 4}))
@@ -34,8 +34,8 @@ from typing import Any, TypeVar
 import aiohttp
 import pydantic
 
-from raygym.engine_auth import auth_headers
-from raygym.engine_protocol import (
+from raygym.engine_api.auth import auth_headers
+from raygym.engine_api.protocol import (
     ROUTES,
     AbortRequest,
     ContinueGeneration,
@@ -112,7 +112,7 @@ class EngineClient:
 
     ``timeout`` bounds every request (seconds); generation calls may pass a longer one.
     Use it as an async context manager, or call :meth:`aclose`. Every request carries the run's engine
-    API key (:mod:`raygym.engine_auth`) when this process has one.
+    API key (:mod:`raygym.engine_api.auth`) when this process has one.
     """
 
     def __init__(self, base_url: str, timeout: float = 600.0, max_connections: int = 512) -> None:
