@@ -7,4 +7,4 @@ import importlib.util
 
 collect_ignore: list[str] = []
 if importlib.util.find_spec("vllm") is None:  # these run inside vLLM's processes (scripts/install_vllm_cpu.sh)
-    collect_ignore += ["raygym/rollout/vllm_weights.py"]
+    collect_ignore += ["raygym/engines/vllm/weights.py"]

@@ -106,7 +106,7 @@ def main() -> None:
         return
     from raygym.config import Recipe
     from raygym.engine_api.auth import new_engine_api_key, use_engine_api_key
-    from raygym.rollout.engine import EngineActor
+    from raygym.engines.actor import EngineActor
     from raygym.weightsync.coordinator import WeightSync
 
     use_engine_api_key(new_engine_api_key())

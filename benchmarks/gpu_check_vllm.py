@@ -1,4 +1,4 @@
-"""GPU check of vLLM as raygym's engine: raygym's adapter (``python -m raygym.rollout.vllm_server``) around
+"""GPU check of vLLM as raygym's engine: raygym's adapter (``python -m raygym.engines.vllm.server``) around
 vLLM's engine on one GPU with a small random Qwen3 (bf16), launched as a run would launch it (colocated:
 sleep mode on). Steps, each printed as one JSON line as it finishes (a failing step prints its error and the
 next ones still run):
@@ -147,7 +147,7 @@ def main() -> None:
     from raygym.config import Recipe
     from raygym.engine_api.protocol import Endpoint, GenerateRequest
     from raygym.engine_api.auth import new_engine_api_key, use_engine_api_key
-    from raygym.rollout.engine import EngineActor
+    from raygym.engines.actor import EngineActor
     from raygym.weightsync.coordinator import WeightSync
 
     use_engine_api_key(new_engine_api_key())

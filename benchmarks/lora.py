@@ -148,7 +148,7 @@ def raygym_server(model_dir: str, extra_args: list[str]) -> Iterator[str]:
     from tests.weightsync.raygym_servers import wait_healthy
 
     port = free_port("127.0.0.1")
-    proc = subprocess.Popen([sys.executable, "-m", "raygym.rollout.server", "--model-path", model_dir, "--host",
+    proc = subprocess.Popen([sys.executable, "-m", "raygym.engines.raygym_server.server", "--model-path", model_dir, "--host",
                              "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
                              "--custom-weight-loader", LOADER, *extra_args],
                             stdout=sys.stderr, stderr=sys.stderr, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -180,7 +180,7 @@ def sync_section(args, model_dir: str) -> None:
     from transformers import Qwen3Config
 
     from raygym.lora import LoraSpec, adapter_config, model_targets
-    from raygym.rollout.lora_args import engine_lora_args
+    from raygym.engines.launch.lora import engine_lora_args
     from raygym.weightsync.coordinator import WeightSync
 
     adapter, total = adapter_share(model_dir, args.rank, ("all-linear",))

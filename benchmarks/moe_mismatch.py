@@ -39,7 +39,7 @@ from raygym.builtin import TINY_MOE_MODEL, build_tokenizer, long_tail_rows, mate
 from raygym.engine_api.kinds import capabilities
 from raygym.engine_api.protocol import GenerateRequest
 from raygym.presets import tiny
-from raygym.rollout.engine import EngineActor
+from raygym.engines.actor import EngineActor
 from raygym.trainer.routing_replay import HFRoutingReplay
 
 REPO = Path(__file__).resolve().parents[1]

@@ -56,7 +56,7 @@ def direct(model_dir: str, texts: list[str], new_tokens: int, concurrency: int, 
     from raygym.engine_api.client import EngineClient
     from raygym.engine_api.protocol import GenerateRequest
     from raygym.presets import tiny
-    from raygym.rollout.engine import EngineActor
+    from raygym.engines.actor import EngineActor
 
     tok = build_tokenizer()
     engine = EngineActor(tiny().replace(sglang_max_running_requests=64), engine_index=0, model_path=model_dir,

@@ -1,7 +1,7 @@
 """Receiver processes for the weight-sync benchmark: raygym's engine-side code without an HTTP server.
 
 Each receiver is a spawned process holding a model that is just HF-named tensors; it answers engine
-endpoints sent over a pipe with :class:`raygym.rollout.weight_receiver.WeightReceiver` (group join, pipelined
+endpoints sent over a pipe with :class:`raygym.engines.serving.weight_receiver.WeightReceiver` (group join, pipelined
 broadcast receive, decode, apply, checksums, shadow copies). A receiver may first enter a network
 namespace (a throttled link, see ``shaped_link.py``); ``GLOO_SOCKET_IFNAME`` names the interface gloo uses.
 """
@@ -52,7 +52,7 @@ def receiver_main(conn, shapes: dict[str, tuple[tuple[int, ...], str]], netns: s
     if netns:
         enter_netns(netns)
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
-    from raygym.rollout.weight_receiver import WeightReceiver
+    from raygym.engines.serving.weight_receiver import WeightReceiver
     from raygym.weightsync.codec import dtype_from_name
     from raygym.weightsync.engine_link import method_name
     from raygym.weightsync.transport_dist import broadcast

@@ -1,6 +1,6 @@
 """Serving while syncing: the rollout pause per sync, with and without double-buffered receive.
 
-A real raygym server (``python -m raygym.rollout.server``, HTTP, its own process) serves the benchmark's
+A real raygym server (``python -m raygym.engines.raygym_server.server``, HTTP, its own process) serves the benchmark's
 ~100M Qwen3 in bf16 while clients keep generating (each request: 16 prompt tokens, 4 new tokens). Full
 syncs reach it over gloo through ``WeightSync.push``: without double buffering the server is paused for
 the whole sync; with it the next version lands in a shadow copy while generation goes on and only the
@@ -146,7 +146,7 @@ def serving_pause(versions, config, args, emit) -> None:
     save_model(versions, config, model_dir)
     port = _free_port()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-    server = subprocess.Popen([sys.executable, "-m", "raygym.rollout.server", "--model-path", model_dir, "--host",
+    server = subprocess.Popen([sys.executable, "-m", "raygym.engines.raygym_server.server", "--model-path", model_dir, "--host",
                                "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "bfloat16",
                                "--custom-weight-loader", LOADER, "--max-running-requests", "8",
                                "--weight-update-timeout", "300"], env=env, stdout=sys.stderr)

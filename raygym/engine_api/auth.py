@@ -3,7 +3,7 @@
 The driver mints it (:func:`new_engine_api_key`) and puts it in the environment of the processes that
 talk to engines and of the engines themselves, as :data:`ENGINE_API_KEY_ENV`; it never goes on a command
 line or into a log. raygym's server reads it from that variable; SGLang, which has no such variable,
-reads it from a config file only its owner can read (:func:`raygym.rollout.sglang_args.render_sglang_config`).
+reads it from a config file only its owner can read (:func:`raygym.engines.launch.sglang.render_sglang_config`).
 Clients send it as ``Authorization: Bearer <key>``, as SGLang expects.
 
 >>> import os

@@ -6,7 +6,7 @@ kind cannot carry out.
 
 Engine kinds:
 
-- ``raygym``: raygym's own server (``python -m raygym.rollout.server``). Its parameters carry the
+- ``raygym``: raygym's own server (``python -m raygym.engines.raygym_server.server``). Its parameters carry the
   checkpoint's HF names, so weights are verified exactly (per-tensor xxh3 checksums through
   ``/raygym/weights_checksum``) and raygym's delta payloads apply over every transport.
 - ``sglang``: stock, unpatched SGLang. Its parameters are fused and TP-sharded (``qkv_proj``,
@@ -18,9 +18,9 @@ Engine kinds:
   itself is read from the ``disk`` transport's shared directory. Verification: the weight version label
   plus a probe — fixed token sequences scored by the engine (``input_token_logprobs``) must match the
   trainer's own forward pass (SGLang 0.5.18 implements ``/get_weights_by_name`` for no Qwen3 model).
-- ``vllm``: vLLM's engine behind raygym's adapter (``python -m raygym.rollout.vllm_server``, run by vLLM's
+- ``vllm``: vLLM's engine behind raygym's adapter (``python -m raygym.engines.vllm.server``, run by vLLM's
   interpreter). Weights arrive through vLLM's weight-transfer lifecycle (start / update / finish, one session
-  per sync) with raygym's transfer backend in vLLM's workers (:mod:`raygym.rollout.vllm_weights`): HF-named
+  per sync) with raygym's transfer backend in vLLM's workers (:mod:`raygym.engines.vllm.weights`): HF-named
   full tensors go to the model's ``load_weights`` between vLLM's layerwise-reload calls, over a torch
   process group (``flattened_bucket``), from a HF safetensors directory, or as CUDA IPC handles; deltas
   over the group or the disk are rebuilt into full tensors from a host snapshot each worker keeps.

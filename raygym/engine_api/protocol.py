@@ -3,7 +3,7 @@
 Endpoint paths, the request bodies and the answers, as pydantic models with the field names, types and
 defaults of SGLang's ``srt/managers/io_struct.py`` (checked against SGLang 0.5.6, 0.5.15.post1, 0.5.18
 and 0.5.23), and :data:`ROUTES`, which names each route's method, request and answer. raygym's servers
-(:mod:`raygym.rollout.server`, :mod:`raygym.rollout.vllm_server`) validate requests with these models; the
+(:mod:`raygym.engines.raygym_server.server`, :mod:`raygym.engines.vllm.server`) validate requests with these models; the
 one engine client (:mod:`raygym.engine_api.client`: the rollout manager, the EngineActor, the weight sync, the
 judge, ``raygym serve``) builds every request from them and parses every answer with them, so no side can
 drift from the other. Pure: pydantic only. It sits below ``raygym.rollout`` and ``raygym.weightsync``,

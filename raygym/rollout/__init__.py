@@ -1,28 +1,7 @@
-"""Rollout side: inference servers, the actors that own them, routing and rollout management.
+"""Rollout management: prompts become routed ``/generate`` requests, answers become scored samples, and the kept
+groups become a training batch (:class:`raygym.rollout.manager.RolloutManager`); fully asynchronous generation
+(the stream and its staleness bookkeeping), dynamic-sampling filters and the tasks environments, judges and
+distillation add.
 
-Heavy modules (torch, aiohttp, httpx) load on first use, so ``import raygym.rollout`` stays cheap::
-
-    from raygym.rollout import EngineActor, EngineClient
+The engines themselves (their actor, fleet, health and routing) live in :mod:`raygym.engines`.
 """
-
-from __future__ import annotations
-
-import importlib
-from typing import Any
-
-_LAZY = {
-    "EngineActor": "raygym.rollout.engine",
-    "EngineClient": "raygym.engine_api.client",
-    "EngineHTTPError": "raygym.engine_api.client",
-    "EngineConnectionError": "raygym.engine_api.client",
-    "DELTA_LOADER": "raygym.rollout.sglang_args",
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'raygym.rollout' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)

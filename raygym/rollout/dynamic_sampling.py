@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from raygym.data import PromptDataset, PromptRow
 from raygym.errors import RaygymError
 from raygym.rollout.filters import GroupFilter
-from raygym.rollout.health import EnginePool
+from raygym.engines.health import EnginePool
 from raygym.rollout.settings import RolloutSettings
 from raygym.types import Sample
 

@@ -64,8 +64,8 @@ from raygym.rewards import (
 from raygym.rollout import tasks
 from raygym.rollout.dynamic_sampling import collect_groups
 from raygym.rollout.filters import GroupFilter, load_group_filter
-from raygym.rollout.health import ClientFactory, EnginePool
-from raygym.rollout.lora_args import adapter_request_fields
+from raygym.engines.health import ClientFactory, EnginePool
+from raygym.engines.launch.lora import adapter_request_fields
 from raygym.rollout.responses import (
     MAX_CONTINUATIONS,
     continuation_budget,

@@ -17,7 +17,7 @@ from raygym.data import PromptDataset, PromptRow
 from raygym.errors import RaygymError
 from raygym.rollout.async_buffer import AsyncBuffer, PendingPrompt
 from raygym.rollout.filters import GroupFilter
-from raygym.rollout.health import EnginePool
+from raygym.engines.health import EnginePool
 from raygym.types import Sample
 
 SEED_SCOPE = ("async",)  # sampling seeds of a fully asynchronous run: (run seed, "async", key, sample)

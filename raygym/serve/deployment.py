@@ -1,11 +1,11 @@
 """``raygym serve``: an OpenAI-compatible endpoint as a Ray Serve application.
 
-Each Serve replica owns one inference engine (:class:`raygym.rollout.engine.EngineActor`: raygym's own
+Each Serve replica owns one inference engine (:class:`raygym.engines.actor.EngineActor`: raygym's own
 server on CPU, SGLang on GPU, chosen like a run's ``rollout_engine``, or vLLM behind raygym's adapter with
 ``engine="vllm"``, run by ``engine_python``) on the GPUs Ray gives the replica, and answers the OpenAI
 routes of :mod:`raygym.serve.http` in front of it, on the replica's own event loop: requests and streams
-go to the engine without a thread hop (:meth:`~raygym.rollout.engine.EngineActor.generate_async`,
-:meth:`~raygym.rollout.engine.EngineActor.generate_stream`). Scaling is Ray Serve's:
+go to the engine without a thread hop (:meth:`~raygym.engines.actor.EngineActor.generate_async`,
+:meth:`~raygym.engines.actor.EngineActor.generate_stream`). Scaling is Ray Serve's:
 a fixed ``num_replicas`` or an autoscaling range (``min_replicas`` .. ``max_replicas`` driven by
 ``target_ongoing_requests``); placement: each replica's CPUs and GPUs are reserved together in one
 placement-group bundle (``STRICT_PACK``: an engine's GPUs are on the replica's node), and
@@ -189,7 +189,7 @@ def adapter_serving(kind: str, settings: ServeSettings) -> tuple[list[str], dict
     if not settings.adapter_dir:
         return [], {}
     from raygym.lora import ADAPTER_NAME, LoraSpec, model_targets, read_adapter
-    from raygym.rollout.lora_args import engine_lora_args
+    from raygym.engines.launch.lora import engine_lora_args
 
     spec = LoraSpec.from_config(read_adapter(settings.adapter_dir)[0])
     targets = model_targets(settings.model_dir, spec)
@@ -217,8 +217,8 @@ def preflight_engine_here(settings: ServeSettings) -> str:
     import torch
 
     from raygym.engine_api.kinds import choose_rollout_engine
-    from raygym.engine_python import check_engine_python
-    from raygym.rollout.vllm_args import check_cpu_head_dim, checkpoint_head_dim
+    from raygym.engines.interpreter import check_engine_python
+    from raygym.engines.launch.vllm import check_cpu_head_dim, checkpoint_head_dim
 
     kind = choose_rollout_engine(settings.engine)
     if kind in ("sglang", "vllm"):
@@ -238,7 +238,7 @@ class OpenAIReplica:
         from transformers import AutoTokenizer
 
         from raygym.engine_api.kinds import choose_rollout_engine
-        from raygym.rollout.engine import EngineActor
+        from raygym.engines.actor import EngineActor
         from raygym.serve.front import OpenAIFront
 
         settings = spec.settings
@@ -256,7 +256,7 @@ class OpenAIReplica:
         tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
         context = _context_len(settings.model_dir)
         if kind == "vllm":  # vLLM holds KV cache for the run's longest request, not the model's whole context
-            from raygym.rollout.vllm_args import max_model_len
+            from raygym.engines.launch.vllm import max_model_len
 
             context = min(context or max_model_len(recipe), max_model_len(recipe))
         self.front = OpenAIFront(tokenizer, ReplicaEngine(self.engine, fields), settings.model_name,

@@ -2,7 +2,7 @@
 
 No Ray and no HTTP here: :class:`OpenAIFront` gets the tokenizer and an :class:`Engine` that posts SGLang's
 ``/generate`` (:class:`~raygym.engine_api.protocol.GenerateRequest`: input_ids, one ``sampling_params`` per
-row, ``return_logprob``) through :class:`raygym.rollout.engine.EngineActor`. It applies the chat template,
+row, ``return_logprob``) through :class:`raygym.engines.actor.EngineActor`. It applies the chat template,
 checks the context length, expands ``n`` into rows (choice ``i`` of prompt ``p`` is row ``p * n + i``,
 OpenAI's order), gives each row its own ``sampling_seed`` when the request has a ``seed``, and builds the
 answers.

@@ -153,7 +153,7 @@ class TrainerSettings:
         shape = {"num_layers": model.num_layers, "hidden_size": model.hidden_size,
                  "num_experts": model.num_experts, "moe_router_topk": model.moe_router_topk}
         # In async_mode and fully_async (never colocated) every raygym CPU server decodes on its one thread while
-        # the trainer trains (raygym.rollout.server --num-threads); a synchronous step leaves the engines idle.
+        # the trainer trains (raygym.engines.raygym_server.server --num-threads); a synchronous step leaves the engines idle.
         overlapped = (recipe.async_mode or recipe.fully_async) and not recipe.colocate
         engine_threads = recipe.gpu_allocation().rollout_engines if overlapped else 0
         hooked = recipe.custom_megatron_before_log_prob_hook or recipe.custom_megatron_before_train_step_hook

@@ -107,7 +107,7 @@ def _engine_processes(marker: str) -> list[int]:
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if "raygym.rollout.server" in cmdline and marker in cmdline:
+            if "raygym.engines.raygym_server.server" in cmdline and marker in cmdline:
                 found.append(int(entry.name))
     return found
 

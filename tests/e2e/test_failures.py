@@ -53,7 +53,7 @@ def server_pids(run_dir: Path) -> dict[int, str]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "raygym.rollout.server" in argv and any(str(run_dir) in a for a in argv):
+        if "raygym.engines.raygym_server.server" in argv and any(str(run_dir) in a for a in argv):
             found[int(pid)] = f"http://{argv[argv.index('--host') + 1]}:{argv[argv.index('--port') + 1]}"
     return found
 

@@ -49,7 +49,7 @@ def engine_urls(run_dir: str | Path) -> list[str]:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "raygym.rollout.server" in argv and any(str(run_dir) in a for a in argv):
+        if "raygym.engines.raygym_server.server" in argv and any(str(run_dir) in a for a in argv):
             host, port = argv[argv.index("--host") + 1], argv[argv.index("--port") + 1]
             found.append(f"http://{host}:{port}")
     return sorted(found)

@@ -10,7 +10,7 @@ import pytest
 
 from raygym.engine_api.protocol import Endpoint, GenerateRequest
 from raygym.presets import tiny
-from raygym.rollout.engine import EngineActor
+from raygym.engines.actor import EngineActor
 
 pytestmark = pytest.mark.ray
 

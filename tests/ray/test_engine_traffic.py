@@ -25,9 +25,9 @@ from aiohttp import web
 from raygym.config import DatasetConfig, ModelConfig, Recipe, TrainConfig
 from raygym.engine_api.protocol import GenerateRequest
 from raygym.presets import tiny
-from raygym.rollout.health import EnginePool
+from raygym.engines.health import EnginePool
 from raygym.rollout.manager import RolloutManager
-from raygym.rollout.router import DEAD, HEALTHY, LOST, NEEDS_WEIGHTS
+from raygym.engines.router import DEAD, HEALTHY, LOST, NEEDS_WEIGHTS
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 

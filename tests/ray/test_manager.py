@@ -15,7 +15,7 @@ from raygym.builtin import build_tokenizer, next_digit_reward
 from raygym.config import DatasetConfig, ModelConfig, Recipe, TrainConfig
 from raygym.data import PromptDataset
 from raygym.presets import tiny
-from raygym.rollout.engine import EngineActor
+from raygym.engines.actor import EngineActor
 from raygym.rollout.manager import RolloutManager, RolloutSettings
 
 pytestmark = pytest.mark.ray

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from raygym.builtin import build_tiny_model
-from raygym.rollout.generation import EngineUnavailable, GenerationEngine, GenerationRequest
-from raygym.rollout.sampling import SamplingParams, sample_next_tokens
+from raygym.engines.raygym_server.generation import EngineUnavailable, GenerationEngine, GenerationRequest
+from raygym.engines.raygym_server.sampling import SamplingParams, sample_next_tokens
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from raygym.builtin import build_tiny_model
-from raygym.rollout.generation import GenerationEngine, GenerationRequest
-from raygym.rollout.sampling import SamplingParams
+from raygym.engines.raygym_server.generation import GenerationEngine, GenerationRequest
+from raygym.engines.raygym_server.sampling import SamplingParams
 from tests.rollout.test_generation import reference_logprobs
 
 

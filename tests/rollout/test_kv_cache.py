@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from raygym.rollout.kv_cache import _growing_layer_class, _mergeable, new_kv_cache
+from raygym.engines.raygym_server.kv_cache import _growing_layer_class, _mergeable, new_kv_cache
 
 
 def kv(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,10 +9,10 @@ import pytest
 from aiohttp import web
 
 from raygym.builtin import build_tiny_model
-from raygym.rollout.generation import GenerationEngine
+from raygym.engines.raygym_server.generation import GenerationEngine
 from raygym.engine_api.protocol import RAYGYM_ROUTE_METHODS, SGLANG_ROUTE_METHODS, Endpoint, route_methods
-from raygym.rollout.server import InferenceServer
-from raygym.rollout.vllm_server import VllmAdapter
+from raygym.engines.raygym_server.server import InferenceServer
+from raygym.engines.vllm.server import VllmAdapter
 
 # Endpoints raygym's clients send to SGLang but neither of raygym's servers serves.
 CLIENT_ONLY = {Endpoint.WEIGHTS_CHECKER}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from raygym.rollout.router import DEAD, HEALTHY, LOST, NEEDS_WEIGHTS, NoHealthyEngineError, Router
+from raygym.engines.router import DEAD, HEALTHY, LOST, NEEDS_WEIGHTS, NoHealthyEngineError, Router
 
 
 def routed(r: Router, n: int) -> set[int]:

@@ -24,9 +24,9 @@ from pydantic import BaseModel
 from raygym.builtin import build_tiny_model
 from raygym.engine_api.protocol import GenerateRequest
 from raygym.engine_api.client import EngineClient, EngineHTTPError
-from raygym.rollout.engine import free_port
-from raygym.rollout.server import tensor_checksum
-from raygym.rollout.weight_receiver import destroy_group
+from raygym.engines.actor import free_port
+from raygym.engines.raygym_server.server import tensor_checksum
+from raygym.engines.serving.weight_receiver import destroy_group
 from raygym.weightsync.transport_dist import broadcast, join_group
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,7 +83,7 @@ def server(model_path, loader_dir, tmp_path_factory):
     argv = [
         sys.executable,
         "-m",
-        "raygym.rollout.server",
+        "raygym.engines.raygym_server.server",
         "--model-path",
         model_path,
         "--host",

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from raygym.builtin import TINY_MODEL, build_tiny_model, materialize_model
-from raygym.rollout.engine import free_port
+from raygym.engines.actor import free_port
 
 KEY = "robustness-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -49,7 +49,7 @@ def start_server(model_path: str, extra_args: tuple[str, ...] = (), extra_env: d
     log = Path(tempfile.mkdtemp(prefix="rg-server-")) / "server.log"
     env = {**os.environ, **(extra_env or {}),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, "-m", "raygym.rollout.server", "--model-path", model_path, "--host", "127.0.0.1",
+    argv = [sys.executable, "-m", "raygym.engines.raygym_server.server", "--model-path", model_path, "--host", "127.0.0.1",
             "--port", str(port), "--device", "cpu", *extra_args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

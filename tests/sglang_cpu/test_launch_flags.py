@@ -12,7 +12,7 @@ import pytest
 
 from raygym.config import Recipe
 from raygym.errors import ConfigError
-from raygym.rollout.sglang_args import SUPPORTED_SGLANG, build_sglang_argv, render_sglang_config
+from raygym.engines.launch.sglang import SUPPORTED_SGLANG, build_sglang_argv, render_sglang_config
 
 pytestmark = pytest.mark.sglang_cpu
 

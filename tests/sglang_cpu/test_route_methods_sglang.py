@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from raygym.engine_api.protocol import SGLANG_ROUTE_METHODS, Endpoint
-from raygym.rollout.sglang_args import SUPPORTED_SGLANG
+from raygym.engines.launch.sglang import SUPPORTED_SGLANG
 
 pytestmark = pytest.mark.sglang_cpu
 

@@ -15,7 +15,7 @@ from raygym.envs import EpisodeRunner
 from raygym.envs.specs import parse_env_spec
 from raygym.presets import tiny
 from raygym.engine_api.client import EngineClient
-from raygym.rollout.engine import EngineActor
+from raygym.engines.actor import EngineActor
 from raygym.rollout.tasks import sample_metrics
 from raygym.trainer.batch import TrainBatch
 from raygym.types import Sample

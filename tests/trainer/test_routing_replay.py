@@ -10,7 +10,7 @@ import torch
 from trainer_setup import make_batch, save_tiny_model, settings_for
 
 from raygym.errors import ConfigError
-from raygym.rollout.routing_capture import RoutingCapture
+from raygym.engines.raygym_server.routing_capture import RoutingCapture
 from raygym.trainer import TrainBatch
 from raygym.trainer.torch_backend import TorchBackend
 

@@ -10,7 +10,7 @@ import torch
 from trainer_setup import settings_for
 
 from raygym.config import Recipe
-from raygym.rollout.weight_receiver import WeightReceiver
+from raygym.engines.serving.weight_receiver import WeightReceiver
 from raygym.weightsync.codec import checksum
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.engine_link import LocalEngineLink

@@ -29,7 +29,7 @@ def test_another_venv_of_the_same_base_python_gets_raygym_alone(tmp_path):
     engine_python = str(tmp_path / "engine-venv" / "bin" / "python")
     assert os.path.realpath(engine_python) == os.path.realpath(sys.executable)  # the case that fooled raygym
 
-    ask = ("import json, sys; from raygym.rollout.engine import raygym_import_root as r; "
+    ask = ("import json, sys; from raygym.engines.actor import raygym_import_root as r; "
            "print(json.dumps([r(sys.argv[1]), r(sys.executable)]))")
     done = subprocess.run([sys.executable, "-c", ask, engine_python], capture_output=True, text=True, timeout=120,
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(site)})

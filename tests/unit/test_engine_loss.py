@@ -11,8 +11,8 @@ from typing import Any
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
-from raygym.rollout.health import EnginePool, actor_gone
-from raygym.rollout.router import HEALTHY, LOST, NEEDS_WEIGHTS, Router
+from raygym.engines.health import EnginePool, actor_gone
+from raygym.engines.router import HEALTHY, LOST, NEEDS_WEIGHTS, Router
 
 
 class Call:

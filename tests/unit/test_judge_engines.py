@@ -10,7 +10,7 @@ from raygym.aux_groups import JUDGE_LABEL_TOKENS, judge_engine_recipe, preflight
 from raygym.builtin import TINY_MODEL, materialize_model
 from raygym.config import Recipe
 from raygym.errors import ConfigError
-from raygym.rollout.vllm_args import max_model_len
+from raygym.engines.launch.vllm import max_model_len
 
 RECIPE = Recipe(rollout_max_prompt_len=40, rollout_max_response_len=24, eval_max_response_len=30, eval_interval=5,
                 judge_hf_checkpoint="builtin:tiny-qwen3", judge_batch_size=100, judge_max_response_len=12,

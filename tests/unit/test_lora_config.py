@@ -1,4 +1,4 @@
-"""LoRA's configuration, names, files and engine flags (pure parts of raygym/lora.py, raygym/rollout/lora_args.py,
+"""LoRA's configuration, names, files and engine flags (pure parts of raygym/lora.py, raygym/engines/launch/lora.py,
 the capability table), and `raygym train` refusing bad LoRA input before Ray starts (exit 2, one line naming the
 fix)."""
 
@@ -26,8 +26,8 @@ from raygym.lora import (
     write_adapter,
 )
 from raygym.engine_api.kinds import capabilities, check_lora
-from raygym.rollout.lora_args import adapter_request_fields, engine_lora_args
-from raygym.rollout.vllm_lora import lora_engine_args, vllm_lora_rank
+from raygym.engines.launch.lora import adapter_request_fields, engine_lora_args
+from raygym.engines.vllm.lora import lora_engine_args, vllm_lora_rank
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QWEN_LINEARS = [f"model.layers.{i}.{m}" for i in range(2) for m in

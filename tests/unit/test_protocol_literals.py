@@ -91,4 +91,4 @@ def push(link, engine, url):
         "raygym/example.py:4", "raygym/example.py:5", "raygym/example.py:6", "raygym/example.py:7",
         "raygym/example.py:8", "raygym/example.py:9"], found
     assert violations('post("/health")', "raygym/serve/http.py") == []
-    assert violations('post("/health")', "raygym/rollout/engine.py") != []
+    assert violations('post("/health")', "raygym/engines/actor.py") != []

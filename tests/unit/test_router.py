@@ -7,7 +7,7 @@ import random
 import pytest
 
 from raygym.errors import RaygymError
-from raygym.rollout.router import DEAD, HEALTHY, NEEDS_WEIGHTS, NoHealthyEngineError, Router
+from raygym.engines.router import DEAD, HEALTHY, NEEDS_WEIGHTS, NoHealthyEngineError, Router
 
 
 def test_ties_go_round_robin():

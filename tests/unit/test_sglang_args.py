@@ -10,7 +10,7 @@ import pytest
 from raygym.config import Recipe
 from raygym.errors import ConfigError
 from raygym.engine_api.kinds import MODEL_LOADER
-from raygym.rollout.sglang_args import (
+from raygym.engines.launch.sglang import (
     DELTA_LOADER,
     SUPPORTED_SGLANG,
     build_raygym_server_argv,
@@ -149,14 +149,14 @@ def test_supported_releases_are_the_ones_the_extra_allows():
 
 
 def test_raygym_server_argv_parses_with_the_server_parser():
-    from raygym.rollout.server import parse_args
+    from raygym.engines.raygym_server.server import parse_args
 
     argv = build_raygym_server_argv(
         model_path="builtin:tiny-qwen3", host="127.0.0.1", port=31000, python="py", device="cpu",
         max_running_requests=32, custom_weight_loaders=[DELTA_LOADER], weight_version=5, seed=7,
         extra_args=["--weight-update-timeout", "60", "--weight-source", "/shared/sync"],
     )
-    assert argv[:3] == ["py", "-m", "raygym.rollout.server"]
+    assert argv[:3] == ["py", "-m", "raygym.engines.raygym_server.server"]
     args = parse_args(argv[3:])
     assert (args.model_path, args.host, args.port, args.device, args.max_running_requests) == (
         "builtin:tiny-qwen3", "127.0.0.1", 31000, "cpu", 32)

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from raygym.rollout.weight_receiver import WeightReceiver, WeightRequestError, copy_by_name
+from raygym.engines.serving.weight_receiver import WeightReceiver, WeightRequestError, copy_by_name
 from raygym.weightsync.codec import checksum
 from raygym.weightsync.loader import load_payload
 from raygym.weightsync.payload import BUCKET_NAME, MANIFEST_NAME, encode_tensor, pack_bucket

@@ -8,10 +8,10 @@ import pytest
 from raygym.config import Recipe
 from raygym.errors import ConfigError
 from raygym.engine_api.kinds import capabilities, check_weight_sync, weight_update_session
-from raygym.rollout.generate_route import SampleJob, per_item, prompt_batch, sample_answer
+from raygym.engines.serving.generate_route import SampleJob, per_item, prompt_batch, sample_answer
 from raygym.engine_api.protocol import GenerateResponse
-from raygym.rollout.vllm_args import build_vllm_argv, check_cpu_head_dim, max_model_len
-from raygym.rollout.vllm_protocol import finish_reason, sampling_kwargs
+from raygym.engines.launch.vllm import build_vllm_argv, check_cpu_head_dim, max_model_len
+from raygym.engines.vllm.protocol import finish_reason, sampling_kwargs
 
 
 def test_sampling_params_map_to_vllm_names():
@@ -83,7 +83,7 @@ def test_adapter_command_line_from_the_recipe():
     argv = build_vllm_argv(recipe, model_path="/m", host="10.0.0.2", port=1234, python="/venv/python",
                            device="cuda", weight_version=3, extra_args=["--enforce-eager"])
     flags = dict(zip(argv[3::2], argv[4::2], strict=False))
-    assert argv[:3] == ["/venv/python", "-m", "raygym.rollout.vllm_server"]
+    assert argv[:3] == ["/venv/python", "-m", "raygym.engines.vllm.server"]
     assert flags["--tensor-parallel-size"] == "2" and flags["--gpu-memory-utilization"] == "0.5"
     assert flags["--max-num-seqs"] == "32" and flags["--seed"] == "7" and flags["--max-model-len"] == "150"
     assert flags["--weight-version"] == "3" and flags["--weight-update-timeout"] == "30.0"

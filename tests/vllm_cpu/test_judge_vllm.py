@@ -13,8 +13,8 @@ from raygym.config import Recipe
 from raygym.engine_api.client import EngineClient
 from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 from raygym.judge import JudgeClient, JudgeSettings, parse_score, render_prompt
-from raygym.rollout.engine import EngineActor
-from raygym.rollout.vllm_args import max_model_len
+from raygym.engines.actor import EngineActor
+from raygym.engines.launch.vllm import max_model_len
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from raygym.builtin import TINY_MOE_MODEL, materialize_model
-from raygym.rollout.engine import EngineActor
+from raygym.engines.actor import EngineActor
 from raygym.weightsync import moe_names
 from raygym.weightsync.coordinator import WeightSync
 from tests.vllm_cpu.test_vllm_engine import generate, hf_logprobs, recipe

@@ -26,7 +26,7 @@ def raygym_servers(model_path: str, count: int, dtype: str, extra_args: Sequence
         for _ in range(count):
             port = free_port("127.0.0.1")
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "raygym.rollout.server", "--model-path", model_path, "--host", "127.0.0.1",
+                [sys.executable, "-m", "raygym.engines.raygym_server.server", "--model-path", model_path, "--host", "127.0.0.1",
                  "--port", str(port), "--device", "cpu", "--dtype", dtype, "--custom-weight-loader", LOADER,
                  *extra_args], env=env))
             urls.append(f"http://127.0.0.1:{port}")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from raygym.config import Recipe
-from raygym.rollout.weight_receiver import INCOMPLETE, WeightReceiver
+from raygym.engines.serving.weight_receiver import INCOMPLETE, WeightReceiver
 from raygym.weightsync.codec import checksum
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.payload import BUCKET_NAME, LOADER, MANIFEST_NAME, encode_tensor, pack_bucket

@@ -11,7 +11,7 @@ import torch
 
 from raygym.config import ModelConfig, Recipe, TrainConfig
 from raygym.lora import LoraSpec, adapter_config, model_targets
-from raygym.rollout.lora_args import engine_lora_args
+from raygym.engines.launch.lora import engine_lora_args
 from raygym.trainer import TrainBatch, TrainerActor, TrainerSettings
 from raygym.types import Sample
 from raygym.weightsync.coordinator import WeightSync

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from raygym.engine_api.protocol import UpdateWeightsFromDistributed
-from raygym.rollout.weight_receiver import WeightReceiver, destroy_group
+from raygym.engines.serving.weight_receiver import WeightReceiver, destroy_group
 from raygym.weightsync.transport_dist import broadcast, free_port, host_store, join_group
 
 PEER = str(Path(__file__).with_name("rendezvous_peer.py"))

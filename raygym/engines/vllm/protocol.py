@@ -1,7 +1,7 @@
 """SGLang's ``/generate`` in vLLM's terms and back (pure: no vLLM, no torch).
 
-raygym's adapter for vLLM (:mod:`raygym.rollout.vllm_server`) receives the engine protocol's requests
-(:mod:`raygym.engine_api.protocol`, read and answered by :mod:`raygym.rollout.generate_route` as on raygym's own
+raygym's adapter for vLLM (:mod:`raygym.engines.vllm.server`) receives the engine protocol's requests
+(:mod:`raygym.engine_api.protocol`, read and answered by :mod:`raygym.engines.serving.generate_route` as on raygym's own
 server) and runs them on vLLM's engine; this module holds the translations, so they are tested without vLLM
 installed:
 

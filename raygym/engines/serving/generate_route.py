@@ -1,5 +1,5 @@
-"""``/generate`` written once for raygym's two servers: raygym's own (:mod:`raygym.rollout.server`) and its vLLM
-adapter (:mod:`raygym.rollout.vllm_server`).
+"""``/generate`` written once for raygym's two servers: raygym's own (:mod:`raygym.engines.raygym_server.server`) and its vLLM
+adapter (:mod:`raygym.engines.vllm.server`).
 
 A :class:`~raygym.engine_api.protocol.GenerateRequest` is read into one :class:`SampleJob` per sample
 (:func:`read_generate`: prompts as token ids, SGLang's one-value-or-one-per-prompt fields, ``n`` samples per

@@ -8,7 +8,7 @@ its own sampling parameters and stop conditions; finished rows leave the batch (
 rows are dropped); requests that arrive meanwhile are prefilled and join the running batch
 between decode steps (continuous batching). Abort and pause are checked between decode steps.
 
-Sampling and its log-probs are :mod:`raygym.rollout.sampling`'s; the KV cache :mod:`raygym.rollout.kv_cache`'s.
+Sampling and its log-probs are :mod:`raygym.engines.raygym_server.sampling`'s; the KV cache :mod:`raygym.engines.raygym_server.kv_cache`'s.
 
 >>> from raygym.builtin import build_tiny_model
 >>> model, tok = build_tiny_model(0)
@@ -36,17 +36,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raygym.rollout import routing_capture
-from raygym.rollout.generation_request import (
+from raygym.engines.raygym_server import routing_capture
+from raygym.engines.raygym_server.generation_request import (
     EngineBusy,
     EngineStats,
     EngineUnavailable,
     GenerationRequest,
     release_host_memory,
 )
-from raygym.rollout.kv_cache import _left_pad, _mergeable, new_kv_cache
+from raygym.engines.raygym_server.kv_cache import _left_pad, _mergeable, new_kv_cache
 from raygym.engine_api.protocol import PAUSE_MODES
-from raygym.rollout.sampling import SamplingParams, sample_next_tokens
+from raygym.engines.raygym_server.sampling import SamplingParams, sample_next_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

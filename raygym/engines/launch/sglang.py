@@ -222,14 +222,14 @@ def build_raygym_server_argv(
     return_routed_experts: bool = False,
     extra_args: Iterable[str] = (),
 ) -> list[str]:
-    """``python -m raygym.rollout.server ...`` (the built-in server, CPU or GPU). Its API key comes from
+    """``python -m raygym.engines.raygym_server.server ...`` (the built-in server, CPU or GPU). Its API key comes from
     the environment (``raygym.engine_api.auth.ENGINE_API_KEY_ENV``), never from this command line.
     ``return_routed_experts``: MoE routing replay (the server keeps its routers' choices for requests that ask)."""
     if host == "0.0.0.0":
         raise ConfigError("host='0.0.0.0': engines bind their node IP or 127.0.0.1; pass the node IP")
     if max_running_requests < 1:
         raise ConfigError(f"sglang_max_running_requests={max_running_requests}: must be >= 1")
-    argv = [python, "-m", "raygym.rollout.server", "--model-path", model_path, "--host", host, "--port", str(port)]
+    argv = [python, "-m", "raygym.engines.raygym_server.server", "--model-path", model_path, "--host", host, "--port", str(port)]
     argv += ["--device", device, "--dtype", dtype, "--max-running-requests", str(max_running_requests)]
     if custom_weight_loaders:
         argv += ["--custom-weight-loader", *custom_weight_loaders]

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from raygym.engine_api.auth import authorized
 from raygym.engine_api.protocol import Endpoint, request_error, route_methods
 
-log = logging.getLogger("raygym.rollout.server")
+log = logging.getLogger("raygym.engines.raygym_server.server")
 _BROWSER_SIMPLE_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[Any, web.Request], Awaitable[web.StreamResponse]]

@@ -2,12 +2,12 @@
 and the periodic ``/health_generate`` monitor.
 
 :class:`EnginePool` is the manager's only door to the engines. ``request(generate_request)`` picks an engine
-through the :class:`~raygym.rollout.router.Router`, posts ``/generate`` and, with fault tolerance
+through the :class:`~raygym.engines.router.Router`, posts ``/generate`` and, with fault tolerance
 on, retries a request whose engine failed (connection error, timeout, 5xx) on another healthy
 engine — the caller's sample slot is filled exactly once. The failed engine is marked unhealthy
 and restarted in the background (``EngineActor.restart()``); it returns to the router only after
 it holds the current weights: ``apply_sync(version, reached)`` (or ``mark_engine_synced(i, version)``) from
-the driver's :class:`raygym.engine_fleet.EngineFleet` (see ``engines_needing_weights()``), which re-forms the
+the driver's :class:`raygym.engines.fleet.EngineFleet` (see ``engines_needing_weights()``), which re-forms the
 weight sync over the restarted engine and pushes to it. An engine a sync did not reach leaves rotation the
 same way, without a restart.
 
@@ -32,7 +32,7 @@ from typing import Any
 from raygym.engine_api.client import EngineAnswerError
 from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 from raygym.errors import RaygymError
-from raygym.rollout.router import DEAD, HEALTHY, LOST, NoHealthyEngineError, Router
+from raygym.engines.router import DEAD, HEALTHY, LOST, NoHealthyEngineError, Router
 
 log = logging.getLogger(__name__)
 

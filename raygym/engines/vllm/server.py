@@ -2,7 +2,7 @@
 
 Run by the interpreter where vLLM is installed, with raygym importable (the EngineActor arranges both)::
 
-    RAYGYM_ENGINE_API_KEY=... python -m raygym.rollout.vllm_server --model-path P --host 127.0.0.1 --port 30000 \\
+    RAYGYM_ENGINE_API_KEY=... python -m raygym.engines.vllm.server --model-path P --host 127.0.0.1 --port 30000 \\
         [--tensor-parallel-size 1] [--gpu-memory-utilization 0.75] [--max-model-len 4096] [--max-num-seqs 128] \\
         [--dtype auto] [--seed 0] [--weight-version 0] [--enable-sleep-mode] [--enforce-eager]
 
@@ -12,8 +12,8 @@ ids in, token ids and per-token log-probs out, pause/flush/abort, weight routes)
 embed its engine is ``AsyncLLM``, which this process runs (vLLM spawns its engine-core and worker processes
 from here). Routes map onto vLLM's engine as follows:
 
-- ``/generate`` -> ``AsyncLLM.generate`` per sample (read and answered by :mod:`raygym.rollout.generate_route`,
-  as on raygym's server; :mod:`raygym.rollout.vllm_protocol` translates the sampling parameters; ``stream: true``
+- ``/generate`` -> ``AsyncLLM.generate`` per sample (read and answered by :mod:`raygym.engines.serving.generate_route`,
+  as on raygym's server; :mod:`raygym.engines.vllm.protocol` translates the sampling parameters; ``stream: true``
   sends vLLM's cumulative outputs as they come);
 - ``/pause_generation`` -> ``pause_generation`` (abort -> "abort", in_place -> "keep", retract -> "keep" plus
   a prefix-cache reset that preempts running requests, so they are recomputed after the update);
@@ -22,17 +22,17 @@ from here). Routes map onto vLLM's engine as follows:
 - ``/release_memory_occupation`` / ``/resume_memory_occupation`` -> ``sleep(level=1)`` / ``wake_up(tags)``
   (memory is freed on GPU when launched with ``--enable-sleep-mode``; vLLM's CPU workers free nothing);
 - weight routes -> vLLM's weight-transfer lifecycle with raygym's backend in the workers
-  (:mod:`raygym.rollout.vllm_weights`): ``/init_weights_update_group`` -> ``init_weight_transfer_engine``,
+  (:mod:`raygym.engines.vllm.weights`): ``/init_weights_update_group`` -> ``init_weight_transfer_engine``,
   ``/begin_weight_update`` / ``/end_weight_update`` -> ``start_weight_update`` / ``finish_weight_update``
   (an update sent outside a session gets one of its own), ``/update_weights_from_distributed``, ``_disk`` and
   ``_tensor`` -> ``update_weights`` with the chunk's description, ``/destroy_weights_update_group`` ->
   ``shutdown_weight_transfer_engine``; ``/raygym/weights_checksum`` answers the checksums of the HF-named
-  tensors the workers loaded (:mod:`raygym.rollout.vllm_verify`; the probe verifies the rest);
+  tensors the workers loaded (:mod:`raygym.engines.vllm.verify`; the probe verifies the rest);
 - LoRA (``--lora-rank R``): ``/load_lora_adapter`` / ``/unload_lora_adapter`` -> ``add_lora`` / ``remove_lora``
-  of ``LoRARequest``\\s, and a request's ``lora_path`` picks one (:mod:`raygym.rollout.vllm_lora`).
+  of ``LoRARequest``\\s, and a request's ``lora_path`` picks one (:mod:`raygym.engines.vllm.lora`).
 
 With an API key in ``RAYGYM_ENGINE_API_KEY`` every route but ``/health*`` requires it (the key never goes on a
-command line); routes that change state take POST with a JSON body only (:mod:`raygym.rollout.server_http`).
+command line); routes that change state take POST with a JSON body only (:mod:`raygym.engines.serving.http`).
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ from typing import Any
 from aiohttp import web
 
 from raygym.engine_api import protocol
-from raygym.rollout import vllm_protocol as vp
+from raygym.engines.vllm import protocol as vp
 from raygym.engine_api.auth import engine_api_key
-from raygym.rollout.generate_route import (
+from raygym.engines.serving.generate_route import (
     GenerateError,
     SampleJob,
     last,
@@ -65,7 +65,7 @@ from raygym.rollout.generate_route import (
     sample_answer,
 )
 from raygym.engine_api.protocol import STATE_CHANGING, Endpoint, GenerateResponse
-from raygym.rollout.server_http import (
+from raygym.engines.serving.http import (
     BadRequest,
     guard_middleware,
     handles_errors,
@@ -76,12 +76,12 @@ from raygym.rollout.server_http import (
     result_response,
     server_info_body,
 )
-from raygym.rollout.vllm_args import cpu_dtype, cpu_kv_cache_gib, model_facts
+from raygym.engines.launch.vllm import cpu_dtype, cpu_kv_cache_gib, model_facts
 
-log = logging.getLogger("raygym.rollout.vllm_server")
+log = logging.getLogger("raygym.engines.vllm.server")
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-WORKER_EXTENSION = "raygym.rollout.vllm_weights.RaygymWorkerExtension"
+WORKER_EXTENSION = "raygym.engines.vllm.weights.RaygymWorkerExtension"
 RAYGYM_LOADERS = ("raygym.weightsync.loader.load_payload", "raygym.weightsync.loader:load_payload")
 POINTER_LOADERS = ("raygym.weightsync.loader.load_payload_via_model", "raygym.weightsync.loader:load_payload_via_model")
 PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
@@ -108,7 +108,7 @@ class VllmAdapter:
         self._session = False  # a weight-update session is open
         self._session_failure = ""  # why a chunk of the open session failed
         self._version_before = self.weight_version  # what the session started from
-        from raygym.rollout.vllm_lora import VllmLora
+        from raygym.engines.vllm.lora import VllmLora
 
         self.lora = VllmLora(llm)
 
@@ -456,7 +456,7 @@ class VllmAdapter:
 
     @handles_errors
     async def weights_checksum(self, request: web.Request) -> web.Response:
-        from raygym.rollout.vllm_verify import received_checksums
+        from raygym.engines.vllm.verify import received_checksums
 
         req = await parse(request, protocol.WeightsChecksum, required=False)
         if req.shadow:
@@ -510,7 +510,7 @@ def _why(exc: BaseException) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m raygym.rollout.vllm_server",
+    p = argparse.ArgumentParser(prog="python -m raygym.engines.vllm.server",
                                 description="raygym's engine protocol in front of vLLM's engine")
     p.add_argument("--model-path", required=True, help="HF checkpoint directory or builtin:tiny-qwen3")
     p.add_argument("--host", default="127.0.0.1")
@@ -556,7 +556,7 @@ async def serve(args: argparse.Namespace) -> None:
         dtype = cpu_dtype(args.dtype, facts["dtype"], flags)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib(
             facts["kv_bytes_per_token"], args.max_num_seqs, max_len or 4096)))
-    from raygym.rollout.vllm_lora import lora_engine_args
+    from raygym.engines.vllm.lora import lora_engine_args
 
     lora_args = lora_engine_args(args.lora_rank) if args.lora_rank > 0 else {}
     engine_args = AsyncEngineArgs(

@@ -2,7 +2,7 @@
 reaches, which weight version each holds; memory release/resume on all of them; recovery after a restart,
 and replacement of an engine whose actor is gone (its node died).
 
-The rollout manager's :class:`raygym.rollout.health.EnginePool` is the data-plane half: it notices an engine
+The rollout manager's :class:`raygym.engines.health.EnginePool` is the data-plane half: it notices an engine
 failing a request, restarts it in the background (so generation goes on elsewhere) and keeps it out of
 rotation until it holds the current weights. Everything after that is here: before each sync the fleet
 waits for restarts in progress, re-forms the weight-update group over the live engines (a restarted
@@ -14,7 +14,7 @@ one whose server is found dead is restarted first.
 
 An engine whose actor died with its node is "lost": the run goes on without it. Before each sync the
 fleet asks whether Ray has placed its bundles again (the node came back, or another with the resources
-joined); then an :class:`raygym.engine_spawn.EngineSpawner` starts a new actor there, in the background.
+joined); then an :class:`raygym.engines.spawn.EngineSpawner` starts a new actor there, in the background.
 Once its server answers, the manager takes the new actor (still without traffic), the weight sync is
 re-formed over it and pushes the current weights, verified, and only then does it get requests.
 """
@@ -29,7 +29,7 @@ from raygym.config import Recipe
 from raygym.errors import RaygymError, WeightSyncError
 
 if TYPE_CHECKING:
-    from raygym.engine_spawn import EngineSpawner
+    from raygym.engines.spawn import EngineSpawner
 
 ENGINE_START_TIMEOUT_S = 600.0
 ALIVE_TIMEOUT_S = 30.0  # an engine actor that does not answer alive() in this time is left out of a sync
@@ -38,7 +38,7 @@ ALIVE_TIMEOUT_S = 30.0  # an engine actor that does not answer alive() in this t
 class EngineFleet:
     """Driver-side owner of the engine group's lifecycle and weight sync.
 
-    ``engines``: the ActorGroup of :class:`raygym.rollout.engine.EngineActor` (a replaced engine's new handle
+    ``engines``: the ActorGroup of :class:`raygym.engines.actor.EngineActor` (a replaced engine's new handle
     is written into it); ``trainers``: the policy's ActorGroup (rank 0 sends weights); ``manager``: the
     RolloutManager handle (it routes requests and restarts failed engines); ``spawner``: starts a new actor
     for an engine whose actor is gone (None: a lost engine stays lost).
@@ -207,7 +207,7 @@ class EngineFleet:
         (the manager restarts it: it gets no requests that would show it)."""
         import ray
 
-        from raygym.rollout.health import actor_gone
+        from raygym.engines.health import actor_gone
 
         refs = {i: self.engines.handles[i].alive.remote() for i in indexes}
         ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=ALIVE_TIMEOUT_S)

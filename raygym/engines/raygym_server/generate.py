@@ -1,5 +1,5 @@
-"""``/generate`` on raygym's server: requests read by :mod:`raygym.rollout.generate_route` (shared with the vLLM
-adapter), admitted against the server's limits, run on its :class:`~raygym.rollout.generation.GenerationEngine`,
+"""``/generate`` on raygym's server: requests read by :mod:`raygym.engines.serving.generate_route` (shared with the vLLM
+adapter), admitted against the server's limits, run on its :class:`~raygym.engines.raygym_server.generation.GenerationEngine`,
 answered whole or streamed.
 
 Streaming: every request of a ``stream: true`` call tells the HTTP loop when its decode steps added tokens
@@ -21,7 +21,7 @@ from aiohttp import web
 
 from raygym import routed_experts
 from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
-from raygym.rollout.generate_route import (
+from raygym.engines.serving.generate_route import (
     GenerateCall,
     GenerateError,
     SampleJob,
@@ -30,10 +30,10 @@ from raygym.rollout.generate_route import (
     sample_answer,
     visible_text,
 )
-from raygym.rollout.generation import EngineBusy, EngineUnavailable, GenerationEngine, GenerationRequest
-from raygym.rollout.routing_capture import answer_routes
-from raygym.rollout.sampling import SamplingParams
-from raygym.rollout.server_http import BadRequest, handles_errors, parse
+from raygym.engines.raygym_server.generation import EngineBusy, EngineUnavailable, GenerationEngine, GenerationRequest
+from raygym.engines.raygym_server.routing_capture import answer_routes
+from raygym.engines.raygym_server.sampling import SamplingParams
+from raygym.engines.serving.http import BadRequest, handles_errors, parse
 from raygym.routed_experts import SERVER_FLAG
 
 

@@ -40,14 +40,14 @@ from raygym.engine_api.client import EngineClient, EngineConnectionError, LoopTh
 from raygym.engine_api.protocol import ROUTES, Endpoint, GenerateRequest, GenerateResponse
 from raygym.errors import ConfigError, RaygymError
 from raygym.engine_api.auth import ENGINE_API_KEY_ENV, engine_api_key
-from raygym.rollout.sglang_args import (
+from raygym.engines.launch.sglang import (
     DELTA_LOADER,
     build_raygym_server_argv,
     build_sglang_argv,
     raygym_max_running_requests,
     render_sglang_config,
 )
-from raygym.rollout.vllm_args import build_vllm_argv
+from raygym.engines.launch.vllm import build_vllm_argv
 
 T = TypeVar("T")
 BACKENDS = ("sglang", "raygym", "vllm")
@@ -72,7 +72,7 @@ class EngineActor:
             child); empty on CPU.
         host: address the server binds: the node IP, or ``127.0.0.1`` (default).
         backend: ``"raygym"`` (built-in server, CPU or GPU), ``"sglang"`` or ``"vllm"`` (raygym's adapter
-            around vLLM's engine, :mod:`raygym.rollout.vllm_server`, run by ``rollout_engine_python``).
+            around vLLM's engine, :mod:`raygym.engines.vllm.server`, run by ``rollout_engine_python``).
         startup_timeout: seconds to wait for ``/health_generate`` after launch.
         device: raygym backend only: ``auto`` | ``cpu`` | ``cuda``.
         log_dir: where the server's stdout/stderr go (a temp dir by default).

@@ -3,7 +3,7 @@
 :class:`EngineSpawner` remembers how the run's engines were started (actor class, arguments, environment,
 the run's engine API key) and starts one more the same way in the engine's bundles where they are placed
 now (:meth:`raygym.placement.Placement.engine_bundles_now`). The driver's
-:class:`raygym.engine_fleet.EngineFleet` decides when, hands the started actor to the rollout manager and
+:class:`raygym.engines.fleet.EngineFleet` decides when, hands the started actor to the rollout manager and
 syncs it before it gets traffic.
 """
 

@@ -2,7 +2,7 @@
 
 Run it as::
 
-    RAYGYM_ENGINE_API_KEY=... python -m raygym.rollout.server --model-path P --host 127.0.0.1 --port 30000 \\
+    RAYGYM_ENGINE_API_KEY=... python -m raygym.engines.raygym_server.server --model-path P --host 127.0.0.1 --port 30000 \\
         [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16|float16] \\
         [--max-running-requests 64] [--custom-weight-loader pkg.mod:fn ...] [--weight-source PREFIX ...] \\
         [--weight-version 0] [--seed 0] [--num-threads N] [--lora-config JSON | --lora-adapter DIR]
@@ -10,12 +10,12 @@ Run it as::
 Routes and bodies are SGLang's (:mod:`raygym.engine_api.protocol`): ``/generate``, ``/health``,
 ``/health_generate``, ``/model_info`` (and the deprecated ``/get_model_info``), ``/flush_cache``,
 ``/pause_generation``, ``/continue_generation``, ``/abort_request``, ``/release_memory_occupation``,
-``/resume_memory_occupation``, the weight routes of :mod:`raygym.rollout.server_weights`, plus
+``/resume_memory_occupation``, the weight routes of :mod:`raygym.engines.raygym_server.weights`, plus
 ``GET /raygym/stats`` (batching counters). With an API key in ``RAYGYM_ENGINE_API_KEY`` every route but
 ``/health*`` requires ``Authorization: Bearer <key>`` (SGLang's ``--api-key`` rule); the key never goes
 on the command line. Routes that change state take POST with a JSON body only.
 
-Generation runs on :class:`raygym.rollout.generation.GenerationEngine`'s own thread; weight loading and
+Generation runs on :class:`raygym.engines.raygym_server.generation.GenerationEngine`'s own thread; weight loading and
 process-group work run in executor threads, so the HTTP loop never blocks.
 """
 
@@ -39,16 +39,16 @@ from aiohttp import web
 from raygym.lora import ADAPTER_NAME
 from raygym.engine_api import protocol
 from raygym.engine_api.auth import engine_api_key
-from raygym.rollout.generation import (
+from raygym.engines.raygym_server.generation import (
     EngineUnavailable,
     GenerationEngine,
     GenerationRequest,
     SamplingParams,
 )
 from raygym.engine_api.protocol import STATE_CHANGING, Endpoint
-from raygym.rollout.routing_capture import RoutingCapture
-from raygym.rollout.server_generate import GenerateRoute, Limits
-from raygym.rollout.server_http import (
+from raygym.engines.raygym_server.routing_capture import RoutingCapture
+from raygym.engines.raygym_server.generate import GenerateRoute, Limits
+from raygym.engines.serving.http import (
     guard_middleware,
     handles_errors,
     parse,
@@ -56,9 +56,9 @@ from raygym.rollout.server_http import (
     register_routes,
     server_info_body,
 )
-from raygym.rollout.server_lora import LoraRoutes
-from raygym.rollout.server_weights import WeightRoutes
-from raygym.rollout.weight_receiver import WeightReceiver
+from raygym.engines.raygym_server.lora import LoraRoutes
+from raygym.engines.raygym_server.weights import WeightRoutes
+from raygym.engines.serving.weight_receiver import WeightReceiver
 from raygym.routed_experts import SERVER_FLAG
 from raygym.weightsync.codec import checksum as tensor_checksum
 from raygym.weightsync.codec import dtype_from_name
@@ -67,7 +67,7 @@ from raygym.weightsync.sources import WeightSources
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-log = logging.getLogger("raygym.rollout.server")
+log = logging.getLogger("raygym.engines.raygym_server.server")
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 FLUSH_CACHE_TEXT = (
@@ -351,7 +351,7 @@ def _resolver(loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> Callable[
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     doc = __doc__ or ""
-    p = argparse.ArgumentParser(prog="python -m raygym.rollout.server", description=doc.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m raygym.engines.raygym_server.server", description=doc.splitlines()[0])
     p.add_argument("--model-path", required=True, help="HF checkpoint directory or builtin:tiny-qwen3")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (never 0.0.0.0 unless you mean it)")
     p.add_argument("--port", type=int, default=30000)
@@ -405,9 +405,9 @@ async def serve(args: argparse.Namespace) -> None:
         torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
     model, tokenizer, local_path = load_model(args.model_path, device, args.dtype)
-    if args.lora_adapter or args.lora_config:  # adapters beside the base weights (raygym.rollout.adapter_layers)
+    if args.lora_adapter or args.lora_config:  # adapters beside the base weights (raygym.engines.raygym_server.adapter_layers)
         from raygym.lora import LoraSpec
-        from raygym.rollout.adapter_layers import attach_adapters, load_adapter
+        from raygym.engines.raygym_server.adapter_layers import attach_adapters, load_adapter
 
         if args.lora_adapter:
             load_adapter(model, args.lora_adapter)

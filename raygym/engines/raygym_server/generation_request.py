@@ -1,4 +1,4 @@
-"""The records of raygym's generation engine (:mod:`raygym.rollout.generation`): one request, the engine's
+"""The records of raygym's generation engine (:mod:`raygym.engines.raygym_server.generation`): one request, the engine's
 counters, its errors, and the host-memory trim it runs when idle."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from raygym.rollout.sampling import SamplingParams
+from raygym.engines.raygym_server.sampling import SamplingParams
 
 
 def release_host_memory() -> None:
@@ -53,7 +53,7 @@ class GenerationRequest:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)  # the weight version that produced each token
-    return_routed_experts: bool = False  # keep the experts its MoE routers chose (raygym/rollout/routing_capture.py)
+    return_routed_experts: bool = False  # keep the experts its MoE routers chose (raygym/engines/raygym_server/routing_capture.py)
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, top_k] chunks, in order
     finish_reason: dict[str, Any] | None = None
     created: float = field(default_factory=time.monotonic)

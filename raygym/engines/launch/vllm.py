@@ -1,4 +1,4 @@
-"""The command line of raygym's vLLM adapter (:mod:`raygym.rollout.vllm_server`) from a recipe (pure).
+"""The command line of raygym's vLLM adapter (:mod:`raygym.engines.vllm.server`) from a recipe (pure).
 
 The recipe's engine fields apply to vLLM as they do to SGLang: ``rollout_num_gpus_per_engine`` is the
 tensor-parallel size, ``sglang_mem_fraction_static`` the fraction of GPU memory the engine takes (vLLM's
@@ -10,7 +10,7 @@ length covers the longest prompt and response the run asks for (the adapter clam
 >>> argv = build_vllm_argv(Recipe(rollout_num_gpus_per_engine=2), model_path="/ckpt", host="127.0.0.1",
 ...                        port=30000, python="python")
 >>> argv[:3], argv[argv.index("--tensor-parallel-size") + 1], argv[argv.index("--max-model-len") + 1]
-(['python', '-m', 'raygym.rollout.vllm_server'], '2', '5120')
+(['python', '-m', 'raygym.engines.vllm.server'], '2', '5120')
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 from raygym.config import Recipe
 from raygym.errors import ConfigError
-from raygym.rollout.sglang_args import raygym_max_running_requests
+from raygym.engines.launch.sglang import raygym_max_running_requests
 
 # vLLM's CPU attention kernels take these head sizes only (vllm/v1/attention/backends/cpu_attn.py, 0.32).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -42,12 +42,12 @@ def max_model_len(recipe: Recipe) -> int:
 def build_vllm_argv(recipe: Recipe, *, model_path: str, host: str, port: int, python: str = "python",
                     device: str = "cuda", weight_version: str | int | None = None,
                     extra_args: Iterable[str] = ()) -> list[str]:
-    """``python -m raygym.rollout.vllm_server ...`` for one engine. Its API key comes from the environment
+    """``python -m raygym.engines.vllm.server ...`` for one engine. Its API key comes from the environment
     (``raygym.engine_api.auth.ENGINE_API_KEY_ENV``), never from this command line. Colocated on GPU the engine
     gets vLLM's sleep mode, without which releasing memory frees nothing."""
     if host == "0.0.0.0":
         raise ConfigError("host='0.0.0.0': engines bind their node IP or 127.0.0.1; pass the node IP")
-    argv = [python, "-m", "raygym.rollout.vllm_server", "--model-path", model_path, "--host", host, "--port", str(port)]
+    argv = [python, "-m", "raygym.engines.vllm.server", "--model-path", model_path, "--host", host, "--port", str(port)]
     argv += ["--tensor-parallel-size", str(recipe.rollout_num_gpus_per_engine),
              "--gpu-memory-utilization", str(recipe.sglang_mem_fraction_static),
              "--max-model-len", str(max_model_len(recipe)),

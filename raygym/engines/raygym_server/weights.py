@@ -1,5 +1,5 @@
 """The weight endpoints of raygym's server: HTTP, ordering and memory state around
-:class:`raygym.rollout.weight_receiver.WeightReceiver`, which does the work.
+:class:`raygym.engines.serving.weight_receiver.WeightReceiver`, which does the work.
 
 Requests of one weight-update group are received in arrival order (a sender may post bucket k+1 while
 bucket k still loads) on one thread and loaded in the same order on another, so bucket k+1 comes off the
@@ -21,9 +21,9 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from raygym.engine_api import protocol
-from raygym.rollout.generation import GenerationEngine
+from raygym.engines.raygym_server.generation import GenerationEngine
 from raygym.engine_api.protocol import Endpoint
-from raygym.rollout.server_http import (
+from raygym.engines.serving.http import (
     BadRequest,
     handles_errors,
     parse,
@@ -31,7 +31,7 @@ from raygym.rollout.server_http import (
     register_routes,
     result_response,
 )
-from raygym.rollout.weight_receiver import WeightReceiver
+from raygym.engines.serving.weight_receiver import WeightReceiver
 
 
 class WeightRoutes:

@@ -1,5 +1,5 @@
 """SGLang's LoRA routes on raygym's server: ``/load_lora_adapter`` {``lora_name``, ``lora_path``} loads a PEFT
-adapter directory into the model's adapters (attached on first use, :mod:`raygym.rollout.adapter_layers`) and
+adapter directory into the model's adapters (attached on first use, :mod:`raygym.engines.raygym_server.adapter_layers`) and
 ``/unload_lora_adapter`` {``lora_name``} zeroes them (the model computes its base again). The server holds one
 adapter at a time; a ``/generate`` request may name it in ``lora_path`` (another name is refused with a 400).
 
@@ -19,9 +19,9 @@ from aiohttp import web
 
 from raygym.errors import ConfigError
 from raygym.engine_api import protocol
-from raygym.rollout.adapter_layers import adapter_names, load_adapter
+from raygym.engines.raygym_server.adapter_layers import adapter_names, load_adapter
 from raygym.engine_api.protocol import Endpoint
-from raygym.rollout.server_http import BadRequest, handles_errors, parse, register_routes
+from raygym.engines.serving.http import BadRequest, handles_errors, parse, register_routes
 
 
 class LoraRoutes:

@@ -1,7 +1,7 @@
 """``/raygym/weights_checksum`` on raygym's vLLM adapter: the checksums of what vLLM's workers loaded.
 
 Each worker keeps the xxh3 checksum of every HF-named full tensor its weight updates handed to the model's
-``load_weights`` (:meth:`raygym.rollout.vllm_weights.RaygymWorkerExtension.raygym_received_checksums`); the
+``load_weights`` (:meth:`raygym.engines.vllm.weights.RaygymWorkerExtension.raygym_received_checksums`); the
 adapter asks every worker and answers one set, so raygym's sync coordinator compares them exactly with the
 sender's, as on raygym's own server. These are checksums of the tensors as received and loaded, not of
 vLLM's parameters (fused, TP-sharded and, on CPU, repacked): what loading does with them is verified by the

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from raygym.rollout.generation_request import GenerationRequest
+    from raygym.engines.raygym_server.generation_request import GenerationRequest
 
 _ROUTER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
 

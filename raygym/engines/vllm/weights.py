@@ -4,7 +4,7 @@ vLLM updates weights in sessions (``start_weight_update``, ``update_weights`` pe
 ``finish_weight_update``) driven through its engine (``AsyncLLM``), with a pluggable transfer backend
 registered in ``WeightTransferEngineFactory`` and chosen by ``weight_transfer_config.backend``. This module
 registers raygym's backend, ``"raygym"``, when it is imported: vLLM imports it in every worker process because
-raygym's adapter (:mod:`raygym.rollout.vllm_server`) names :class:`RaygymWorkerExtension`, defined here, as
+raygym's adapter (:mod:`raygym.engines.vllm.server`) names :class:`RaygymWorkerExtension`, defined here, as
 vLLM's ``worker_extension_cls``.
 
 The backend speaks raygym's transports, so the trainer needs no vLLM:
@@ -50,7 +50,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from raygym.errors import WeightSyncError
-from raygym.rollout.weight_receiver import destroy_group
+from raygym.engines.serving.weight_receiver import destroy_group
 from raygym.weightsync.codec import checksum, dtype_from_name
 from raygym.weightsync.loader import HostSnapshot
 from raygym.weightsync.tensor_pickle import loads_named_tensors
@@ -115,7 +115,7 @@ class RaygymWeightTransferEngine(WeightTransferEngine[RaygymInitInfo, RaygymUpda
         self.failure = ""  # why a chunk of the open session failed
         self.timeout_s = 600.0
         if device.type == "cpu":
-            from raygym.rollout.vllm_moe_repack import install
+            from raygym.engines.vllm.moe_repack import install
 
             install()
 

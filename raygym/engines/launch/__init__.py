@@ -1,0 +1,3 @@
+"""Command lines for the inference servers an :class:`~raygym.engines.actor.EngineActor` owns (pure: no I/O,
+no torch).
+"""
