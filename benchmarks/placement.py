@@ -31,9 +31,9 @@ class Pinger:
 
 
 def raygym_path() -> float:
-    from raygym.actor_group import call_all, start_trainer_group
-    from raygym.allocation import compute_allocation
-    from raygym.placement import allocate
+    from raygym.cluster.actor_group import call_all, start_trainer_group
+    from raygym.config.allocation import compute_allocation
+    from raygym.cluster.placement import allocate
 
     alloc = compute_allocation(actor_num_nodes=NODES, actor_num_gpus_per_node=GPUS_PER_NODE, colocate=True)
     start = time.perf_counter()

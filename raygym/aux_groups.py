@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raygym.allocation import compute_allocation
+from raygym.config.allocation import compute_allocation
 from raygym.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def _allocation(total: int, per_engine: int, gpus_per_node: int, what: str) -> A
 
 
 def _place(total: int, per_engine: int, recipe: Recipe, what: str) -> Any:
-    from raygym.placement import allocate
+    from raygym.cluster.placement import allocate
 
     alloc = _allocation(total, per_engine, recipe.actor_num_gpus_per_node, what)
     # Nothing else runs in these bundles: each engine/actor takes the whole GPU share it is given.
@@ -92,7 +92,7 @@ def preflight_judge(recipe: Recipe, engine_kind: str, cache_dir: Path) -> None:
 class AuxGroups:
     """Handles of the judge and teacher groups (None when the recipe has none); ``shutdown()`` ends them."""
 
-    judge_engines: Any = None  # raygym.actor_group.ActorGroup of EngineActor
+    judge_engines: Any = None  # raygym.cluster.actor_group.ActorGroup of EngineActor
     teacher_actors: Any = None  # ActorGroup of raygym.distill.TeacherActor
     placements: list[Any] = field(default_factory=list)
 
@@ -117,7 +117,7 @@ def start_aux_groups(recipe: Recipe, run_dir: Path, engine_kind: str, say: Any =
     """Start the judge engines and the teacher actors the recipe asks for; on failure, end what started."""
     import ray
 
-    from raygym.actor_group import ActorGroup, merge_user_env, start_engine_group
+    from raygym.cluster.actor_group import ActorGroup, merge_user_env, start_engine_group
     from raygym.builtin import resolve_model_path
     from raygym.engine_api.auth import engine_api_key
 

@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from raygym.allocation import GpuAllocation
+from raygym.config.allocation import GpuAllocation
 from raygym.cli_after_training import eval_command, report_command, serve_command
 from raygym.cli_help import cli_help
 from raygym.config import Recipe, TrainConfig, load_train_config, megatron_installed
 from raygym.errors import ConfigError, RaygymError
 
 if TYPE_CHECKING:
-    from raygym.layout import BundleAssignment
+    from raygym.cluster.layout import BundleAssignment
 
 USAGE_ERROR = 2
 _PASS_THROUGH = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
@@ -50,7 +50,7 @@ def _span(gpus: list[int], per_node: int) -> str:
 def allocation_rows(alloc: GpuAllocation) -> list[tuple[str, str, str]]:
     """(role, placement, note) rows: actor first, then critic, then rollout (on the actor's GPUs if colocated).
 
-    >>> from raygym.allocation import compute_allocation
+    >>> from raygym.config.allocation import compute_allocation
     >>> allocation_rows(compute_allocation(actor_num_nodes=1, actor_num_gpus_per_node=2, colocate=True))[1]
     ('engine 0', 'node 0: GPU 0', 'shares the actor GPUs')
     """
@@ -146,7 +146,7 @@ def _print_plan(cfg: TrainConfig, cluster: str | None = None) -> None:
     r = cfg.recipe
     if r.trainer_backend == "megatron" or r.tensor_model_parallel_size * r.expert_model_parallel_size * \
             r.pipeline_model_parallel_size * r.context_parallel_size > 1:  # which ranks form which Megatron groups
-        from raygym.parallel_layout import ParallelLayout
+        from raygym.cluster.parallel_layout import ParallelLayout
 
         layout = ParallelLayout(world=r.actor_num_nodes * r.actor_num_gpus_per_node, tp=r.tensor_model_parallel_size,
                                 pp=r.pipeline_model_parallel_size, cp=r.context_parallel_size,
@@ -202,7 +202,7 @@ def plan(ctx: click.Context) -> None:
     if cluster:
         from rich.console import Console
 
-        from raygym.placement import plan_on_cluster
+        from raygym.cluster.placement import plan_on_cluster
 
         Console().print(render_assignments(plan_on_cluster(cfg.recipe, cluster)))
 
@@ -303,7 +303,7 @@ def render_assignments(assignments: Sequence[BundleAssignment]) -> Any:
     """A rich table (node, IP, GPU, role, rank, engine: its GPUs, share, bundle) for ``raygym plan``."""
     from rich.table import Table
 
-    from raygym.layout import ROLES, ip_sort_key
+    from raygym.cluster.layout import ROLES, ip_sort_key
 
     table = Table(title="raygym placement")
     for col in ("node", "ip", "gpu", "role", "rank", "engine: gpus", "share", "bundle"):

@@ -73,12 +73,12 @@ def connect_ray(total_gpus: int, stack: ExitStack | None = None) -> bool:
 
     Returns True when this call started Ray (so the run shuts it down at the end). On a machine
     without GPUs a local Ray gets ``total_gpus`` logical GPUs, so placement behaves as on a GPU node.
-    A local Ray started here keeps token auth with a private token (:mod:`raygym.ray_auth`), entered on
+    A local Ray started here keeps token auth with a private token (:mod:`raygym.cluster.ray_auth`), entered on
     ``stack``, which the caller closes after ``ray.shutdown()``.
     """
     import ray
 
-    from raygym.ray_auth import private_cluster_auth
+    from raygym.cluster.ray_auth import private_cluster_auth
 
     if ray.is_initialized():
         return False

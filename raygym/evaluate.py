@@ -33,7 +33,7 @@ from raygym.errors import ConfigError
 from raygym.model_source import ModelSource, resolve_model_source
 
 if TYPE_CHECKING:
-    from raygym.allocation import GpuAllocation
+    from raygym.config.allocation import GpuAllocation
     from raygym.config import Recipe, TrainConfig
 
 EVAL_OPTIONS = ("--prompt-data", "--step", "--out")
@@ -175,7 +175,7 @@ def engine_allocation(recipe: Recipe) -> GpuAllocation:
     >>> a = engine_allocation(tiny()); (a.total_gpus, a.rollout_engines)
     (1, 1)
     """
-    from raygym.allocation import compute_allocation
+    from raygym.config.allocation import compute_allocation
 
     full = recipe.gpu_allocation()
     gpus, per_node = full.rollout_gpus, full.gpus_per_node
@@ -283,10 +283,10 @@ def _start_engines(cfg: TrainConfig, model_path: str, log_dir: str, say: Callabl
                    adapter_dir: str | None = None) -> tuple[Any, Any]:
     import ray
 
-    from raygym.actor_group import start_engine_group
+    from raygym.cluster.actor_group import start_engine_group
     from raygym.engine_api.kinds import choose_rollout_engine
     from raygym.graph import ENGINE_START_TIMEOUT_S
-    from raygym.placement import allocate
+    from raygym.cluster.placement import allocate
     from raygym.engines.actor import EngineActor
 
     recipe = cfg.recipe

@@ -30,10 +30,10 @@ from raygym.routed_experts import require_moe
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-    from raygym.actor_group import ActorGroup
+    from raygym.cluster.actor_group import ActorGroup
     from raygym.aux_groups import AuxGroups
     from raygym.engines.fleet import EngineFleet
-    from raygym.placement import Placement
+    from raygym.cluster.placement import Placement
     from raygym.rollout.manager import RolloutManager
 
 logger = logging.getLogger(__name__)
@@ -180,12 +180,12 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
     """Start every actor of the run in its bundle and connect them; on failure, end what started."""
     import ray
 
-    from raygym.actor_group import call_all, start_engine_group, start_trainer_group
+    from raygym.cluster.actor_group import call_all, start_engine_group, start_trainer_group
     from raygym.aux_groups import aux_manager_kwargs, start_aux_groups
     from raygym.engine_api.auth import ENGINE_API_KEY_ENV, new_engine_api_key
     from raygym.engines.fleet import EngineFleet
     from raygym.engines.spawn import EngineSpawner
-    from raygym.placement import allocate_for_recipe
+    from raygym.cluster.placement import allocate_for_recipe
     from raygym.engines.actor import EngineActor
     from raygym.rollout.manager import RolloutManager
     from raygym.trainer.actor import TrainerActor

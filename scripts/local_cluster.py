@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raygym.cluster_shape import HEAD_HOST, ClusterShape
+from raygym.cluster.shape import HEAD_HOST, ClusterShape
 
 PREFIX = "rgm"
 GCS_PORT = 46379
@@ -151,7 +151,7 @@ class LocalCluster:
 
     @classmethod
     def of_shape(cls, shape: ClusterShape, **kwargs: Any) -> LocalCluster:
-        """The cluster a recipe's :class:`raygym.cluster_shape.ClusterShape` describes (what KubeRay or Modal
+        """The cluster a recipe's :class:`raygym.cluster.shape.ClusterShape` describes (what KubeRay or Modal
         would build for it), e.g. ``LocalCluster.of_shape(cluster_shape(recipe))``."""
         return cls(shape.worker_gpus, head_gpus=shape.head_gpus, **kwargs)
 

@@ -20,7 +20,7 @@ A command line as users type it (``--preset``, ``@ run.toml``, the tiny preset w
 
 from __future__ import annotations
 
-from raygym.allocation import GpuAllocation
+from raygym.config.allocation import GpuAllocation
 from raygym.callables import callable_import_path, load_callable
 from raygym.config.base import CustomFunction, MiB, megatron_installed
 from raygym.config.constants import CUSTOM_FUNCTION_FIELDS, RM_TYPES, TASK_RM_TYPES

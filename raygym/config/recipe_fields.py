@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import model_validator
 
-from raygym.allocation import GpuAllocation, compute_allocation
+from raygym.config.allocation import GpuAllocation, compute_allocation
 from raygym.config.base import CustomFunction, MiB, Section, option, option_factory, parse_json_object
 from raygym.errors import ConfigError
 
@@ -423,7 +423,7 @@ class RecipeFields(Section):
         return judge + (self.distill_num_gpus if self.distill_teacher_checkpoint else 0)
 
     def gpu_allocation(self) -> GpuAllocation:
-        """GPUs per role, engines and nodes (see :func:`raygym.allocation.compute_allocation`)."""
+        """GPUs per role, engines and nodes (see :func:`raygym.config.allocation.compute_allocation`)."""
         return compute_allocation(
             actor_num_nodes=self.actor_num_nodes,
             actor_num_gpus_per_node=self.actor_num_gpus_per_node,

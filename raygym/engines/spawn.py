@@ -2,7 +2,7 @@
 
 :class:`EngineSpawner` remembers how the run's engines were started (actor class, arguments, environment,
 the run's engine API key) and starts one more the same way in the engine's bundles where they are placed
-now (:meth:`raygym.placement.Placement.engine_bundles_now`). The driver's
+now (:meth:`raygym.cluster.placement.Placement.engine_bundles_now`). The driver's
 :class:`raygym.engines.fleet.EngineFleet` decides when, hands the started actor to the rollout manager and
 syncs it before it gets traffic.
 """
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from raygym.actor_group import ActorGroup, engine_placement_kwargs, merge_user_env
-from raygym.placement import BundleRecord, Placement
+from raygym.cluster.actor_group import ActorGroup, engine_placement_kwargs, merge_user_env
+from raygym.cluster.placement import BundleRecord, Placement
 
 logger = logging.getLogger(__name__)
 

@@ -67,7 +67,7 @@ def join_group(
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from raygym.netif import pin_gloo_interface
+    from raygym.cluster.netif import pin_gloo_interface
 
     deadline = time.monotonic() + timeout_s  # one budget for both phases: the join ends within timeout_s
     if backend == "gloo":  # bind the interface that reaches the master, never a loopback the host name names

@@ -1,4 +1,4 @@
-"""Offline: the Modal launcher builds the cluster :func:`raygym.cluster_shape.cluster_shape` describes for a
+"""Offline: the Modal launcher builds the cluster :func:`raygym.cluster.shape.cluster_shape` describes for a
 recipe (its head being GPU node 0), and the ranks land on its nodes as they do on the KubeRay / local-harness
 cluster (a CPU head): the trainer ranks on one node, the engines on the other, by address."""
 
@@ -11,7 +11,7 @@ pytest.importorskip("modal", reason="modal is not installed (pip install modal);
 from launchers import bootstrap  # noqa: E402
 from launchers.modal_app import build_app, plan_launch  # noqa: E402
 from launchers.ray_job import resolve_recipe  # noqa: E402
-from raygym.cluster_shape import ClusterShape, cluster_shape, roles_by_node  # noqa: E402
+from raygym.cluster.shape import ClusterShape, cluster_shape, roles_by_node  # noqa: E402
 
 ARGS = ["--preset", "qwen3-30b-a3b"]
 CONTAINERS = ("fd00::2", "fd00::3")  # Modal's addresses are IPv6

@@ -1,5 +1,5 @@
 """A Ray cluster of separate nodes on this machine (``scripts/local_cluster.py``) shaped as KubeRay would build it
-for the tiny recipe with two engines (:func:`raygym.cluster_shape.cluster_shape`): a CPU head and three worker
+for the tiny recipe with two engines (:func:`raygym.cluster.shape.cluster_shape`): a CPU head and three worker
 nodes of one logical GPU each, every node in its own network namespace. Shared by the tests of a module;
 each test starts with every node up. Skipped, with the reason, where this machine cannot make namespaces."""
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from raygym.cluster_shape import cluster_shape
+from raygym.cluster.shape import cluster_shape
 from raygym.presets import tiny
 from scripts.local_cluster import LocalCluster, remove_stale, unavailable
 

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from launchers.ray_job import REPO_ROOT, JobOutcome, resolve_recipe, submit_train_job
-from raygym.cluster_shape import cluster_shape, roles_by_node
+from raygym.cluster.shape import cluster_shape, roles_by_node
 from scripts.local_cluster import LocalCluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -9,7 +9,7 @@ import time
 import pytest
 from ray import cloudpickle as ray_cloudpickle
 
-from raygym.actor_group import (
+from raygym.cluster.actor_group import (
     ActorGroup,
     call_all,
     call_rank0,
@@ -18,9 +18,9 @@ from raygym.actor_group import (
     start_trainer_group,
     submit_all,
 )
-from raygym.allocation import compute_allocation
+from raygym.config.allocation import compute_allocation
 from raygym.errors import ConfigError, RaygymError
-from raygym.placement import allocate
+from raygym.cluster.placement import allocate
 
 pytestmark = pytest.mark.ray
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from ray import cloudpickle as ray_cloudpickle
 
-from raygym.actor_group import ActorGroup, call_all, start_engine_group, start_trainer_group
-from raygym.allocation import GpuAllocation, compute_allocation
+from raygym.cluster.actor_group import ActorGroup, call_all, start_engine_group, start_trainer_group
+from raygym.config.allocation import GpuAllocation, compute_allocation
 from raygym.cli import render_assignments
 from raygym.errors import RaygymError
-from raygym.layout import BundleRecord
-from raygym.placement import allocate, plan_on_cluster
+from raygym.cluster.layout import BundleRecord
+from raygym.cluster.placement import allocate, plan_on_cluster
 
 pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ def test_single_node_colocated_layout_and_release(ray_local) -> None:
 
 def test_infeasible_request_fails_within_timeout_naming_the_shortfall(ray_local, caplog) -> None:
     alloc = compute_allocation(actor_num_nodes=2, actor_num_gpus_per_node=8, colocate=True)
-    caplog.set_level(logging.WARNING, logger="raygym.placement")
+    caplog.set_level(logging.WARNING, logger="raygym.cluster.placement")
     start = time.monotonic()
     placement = allocate(alloc, timeout=2.0, log_interval=0.5)
     with pytest.raises(RaygymError) as err:

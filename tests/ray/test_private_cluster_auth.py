@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import os, ray
-from raygym.ray_auth import private_cluster_auth
+from raygym.cluster.ray_auth import private_cluster_auth
 with private_cluster_auth() as used:
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
              object_store_memory=128 * 1024 * 1024)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from raygym.allocation import compute_allocation
+from raygym.config.allocation import compute_allocation
 from raygym.cli import allocation_rows, main
 
 

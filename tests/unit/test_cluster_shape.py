@@ -1,5 +1,5 @@
 """The cluster a recipe needs is the one every launcher builds: the KubeRay manifests in docs/ and the local
-multi-node harness (``scripts/local_cluster.py``, built from :func:`raygym.cluster_shape.cluster_shape`) have a
+multi-node harness (``scripts/local_cluster.py``, built from :func:`raygym.cluster.shape.cluster_shape`) have a
 CPU head and ``total_nodes`` GPU workers; what runs where follows the nodes' addresses. The Modal side is
 checked in tests/launcher_modal/test_modal_layout.py."""
 
@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from launchers.ray_job import resolve_config
-from raygym.cluster_shape import ClusterShape, cluster_shape, roles_by_node
+from raygym.cluster.shape import ClusterShape, cluster_shape, roles_by_node
 from raygym.config import TrainConfig
 from raygym.presets import PRESETS, qwen3_30b_a3b, tiny
 

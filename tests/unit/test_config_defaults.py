@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from raygym import ConfigError, DatasetConfig, MetricsConfig, ModelConfig, Recipe, TrainConfig
-from raygym.allocation import GpuAllocation
+from raygym.config.allocation import GpuAllocation
 
 # Transcribed from the Qwen3_4B_Recipe page: every field that is not Modal-only, with its default.
 SPEC_DEFAULTS = {

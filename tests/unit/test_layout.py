@@ -1,4 +1,4 @@
-"""Pure layout maths (raygym.placement) and the pure env / sharding helpers of raygym.actor_group."""
+"""Pure layout maths (raygym.cluster.placement) and the pure env / sharding helpers of raygym.cluster.actor_group."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from collections import defaultdict
 
 import pytest
 
-from raygym.actor_group import build_rank_envs, merge_user_env, shard_evenly
-from raygym.allocation import GpuAllocation, compute_allocation
+from raygym.cluster.actor_group import build_rank_envs, merge_user_env, shard_evenly
+from raygym.config.allocation import GpuAllocation, compute_allocation
 from raygym.cli import render_assignments
 from raygym.errors import ConfigError, RaygymError
-from raygym.layout import (
+from raygym.cluster.layout import (
     BundleAssignment,
     GpuSlot,
     NodeInfo,
@@ -319,7 +319,7 @@ def test_render_assignments_lists_every_row() -> None:
     assert text.count("rollout") == 4 and text.count("actor") == 4 and "1: 2,3" in text
 
 
-# -- env contract and sharding (pure parts of raygym.actor_group) ------------------------------
+# -- env contract and sharding (pure parts of raygym.cluster.actor_group) ------------------------------
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from raygym.errors import ConfigError
-from raygym.parallel_layout import ParallelLayout
+from raygym.cluster.parallel_layout import ParallelLayout
 
 
 def test_plan_of_the_30b_a3b_recipe_shows_its_expert_and_tensor_layout():

@@ -1,6 +1,6 @@
 """Where every rank runs, realised on Ray: one placement group with one ``{"GPU": 1}`` bundle per GPU,
 a throwaway probe task per bundle to learn its node and GPU id (Ray's bundle order is not the physical
-order), then :func:`raygym.layout.layout_from_slots` over the probed bundles. Ray is imported lazily.
+order), then :func:`raygym.cluster.layout.layout_from_slots` over the probed bundles. Ray is imported lazily.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import os
 import time
 from typing import Any
 
-from raygym.allocation import GpuAllocation
+from raygym.config.allocation import GpuAllocation
 from raygym.config import Recipe
 from raygym.errors import ConfigError, RaygymError
-from raygym.layout import (
+from raygym.cluster.layout import (
     BundleAssignment,
     BundleRecord,
     GpuSlot,
@@ -300,7 +300,7 @@ def allocate(
     ``cpus_per_bundle`` defaults to 0 so that GPU bundles never compete with the driver's CPU actors
     (actors placed in the bundles request ``num_cpus=0``). Call ``ensure_ready()`` on the result.
 
-    Shares left None take the Recipe's defaults (:func:`raygym.layout.colocate_shares`).
+    Shares left None take the Recipe's defaults (:func:`raygym.cluster.layout.colocate_shares`).
 
     >>> p = allocate(alloc, timeout=60).ensure_ready()              # doctest: +SKIP
     >>> p.actor_bundles[0].node_ip, p.engine_bundles[0][0].gpu_id  # doctest: +SKIP

@@ -1,10 +1,10 @@
-"""Where every rank runs, as pure layout (no Ray): from a :class:`~raygym.allocation.GpuAllocation` and
+"""Where every rank runs, as pure layout (no Ray): from a :class:`~raygym.config.allocation.GpuAllocation` and
 the cluster's GPUs, decide which GPU serves which role and rank. Trainer ranks follow (node IP, GPU id)
 order, IPs compared numerically; a rollout engine's GPUs are contiguous on ONE node; colocated engines
 share exactly the GPUs of the trainer ranks they serve; disaggregated roles never share a GPU.
-:mod:`raygym.placement` realises a layout on Ray placement groups.
+:mod:`raygym.cluster.placement` realises a layout on Ray placement groups.
 
->>> from raygym.allocation import compute_allocation
+>>> from raygym.config.allocation import compute_allocation
 >>> alloc = compute_allocation(actor_num_nodes=1, actor_num_gpus_per_node=2, colocate=True)
 >>> rows = layout(alloc, [NodeInfo("n1", "10.0.0.1", (0, 1))])
 >>> [(r.role, r.rank, r.gpu_id, r.gpu_share) for r in rows]
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from raygym.allocation import GpuAllocation
+from raygym.config.allocation import GpuAllocation
 from raygym.errors import ConfigError, RaygymError
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ def shortfall_message(
 ) -> str:
     """Why a placement cannot be satisfied, naming the missing resources.
 
-    >>> from raygym.allocation import compute_allocation
+    >>> from raygym.config.allocation import compute_allocation
     >>> a = compute_allocation(actor_num_nodes=2, actor_num_gpus_per_node=8, colocate=True)
     >>> shortfall_message(a, [8], 8)
     'needs 16 GPUs on 2 nodes with 8 each; cluster has 1 node with 8 GPUs (8 free); missing 8 GPUs'

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from raygym.errors import ConfigError, RaygymError
-from raygym.placement import BundleRecord, Placement
+from raygym.cluster.placement import BundleRecord, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def _with_rank_env(actor_cls: type[Any]) -> type[Any]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         os.environ.update(kwargs.pop(_RANK_ENV_KWARG, None) or {})
         if os.environ.get("MASTER_ADDR"):  # gloo ranks on several nodes must bind the cluster's interface
-            from raygym.netif import pin_gloo_interface
+            from raygym.cluster.netif import pin_gloo_interface
 
             pin_gloo_interface(os.environ["MASTER_ADDR"])
         actor_cls.__init__(self, *args, **kwargs)

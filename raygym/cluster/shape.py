@@ -9,7 +9,7 @@ one thing only, where the Ray head sits:
 - Modal (``launchers/modal_app.py``): ``total_nodes`` clustered GPU containers, container 0 being the head,
   so the driver shares a node with trainer or engine ranks.
 
-Either way :func:`raygym.layout.layout` decides which GPU serves which rank from the nodes' addresses, so
+Either way :func:`raygym.cluster.layout.layout` decides which GPU serves which rank from the nodes' addresses, so
 :func:`roles_by_node` says, before any cluster exists, what each node will run.
 
 >>> from raygym.presets import tiny
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raygym.config import Recipe
-from raygym.layout import NodeInfo, layout
+from raygym.cluster.layout import NodeInfo, layout
 
 HEAD_HOST = 10  # the harness's and the examples' head address: <subnet>.10, workers .11, .12, ...
 
@@ -51,7 +51,7 @@ class ClusterShape:
         return [f"{subnet}.{HEAD_HOST + i}" for i in range(1 + len(self.worker_gpus))]
 
     def nodes(self, ips: list[str]) -> list[NodeInfo]:
-        """The GPU nodes as :func:`raygym.layout.layout` sees them (a CPU-only head is left out)."""
+        """The GPU nodes as :func:`raygym.cluster.layout.layout` sees them (a CPU-only head is left out)."""
         gpus = (self.head_gpus, *self.worker_gpus)
         return [NodeInfo(f"node-{i}", ip, tuple(range(g))) for i, (ip, g) in enumerate(zip(ips, gpus, strict=True))
                 if g > 0]
