@@ -1,6 +1,6 @@
 """Checkpoint memory and time: sharded (every rank writes its own FSDP2 shards with
-torch.distributed.checkpoint, ``raygym.sharded_checkpoint``) against the former gather-and-pickle path
-(the full model and optimizer state gathered to rank 0, pickled by ``raygym.checkpoint.save_checkpoint``;
+torch.distributed.checkpoint, ``raygym.checkpoint.sharded``) against the former gather-and-pickle path
+(the full model and optimizer state gathered to rank 0, pickled by ``raygym.checkpoint.store.save_checkpoint``;
 loaded on rank 0 and broadcast), same model, same run.
 
 The model is the builtin tiny Qwen3 scaled up to ~100M parameters (fp32, AdamW state: ~1.2 GB of training
@@ -87,7 +87,7 @@ def gather_and_pickle_save(backend, url: str) -> None:
         get_optimizer_state_dict,
     )
 
-    from raygym.checkpoint import capture_rng_state, save_checkpoint
+    from raygym.checkpoint.store import capture_rng_state, save_checkpoint
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model = get_model_state_dict(backend.model, options=opts)
@@ -106,7 +106,7 @@ def gather_and_pickle_load(backend, url: str) -> None:
         set_optimizer_state_dict,
     )
 
-    from raygym.checkpoint import latest_checkpoint, load_checkpoint
+    from raygym.checkpoint.store import latest_checkpoint, load_checkpoint
 
     sharded = backend.world_size > 1
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded)
@@ -118,15 +118,15 @@ def gather_and_pickle_load(backend, url: str) -> None:
 
 
 def sharded_save(backend, url: str) -> None:
-    from raygym.sharded_checkpoint import save_sharded
+    from raygym.checkpoint.sharded import save_sharded
 
     save_sharded(url, 0, backend.checkpoint_state(include_optimizer=True), rank=backend.rank,
                  world_size=backend.world_size)
 
 
 def sharded_load(backend, url: str) -> None:
-    from raygym.checkpoint import latest_checkpoint
-    from raygym.sharded_checkpoint import load_sharded
+    from raygym.checkpoint.store import latest_checkpoint
+    from raygym.checkpoint.sharded import load_sharded
 
     template = backend.checkpoint_state(include_optimizer=True)
     backend.load_checkpoint_state(load_sharded(latest_checkpoint(url).path, template, rank=backend.rank,

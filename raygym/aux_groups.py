@@ -93,7 +93,7 @@ class AuxGroups:
     """Handles of the judge and teacher groups (None when the recipe has none); ``shutdown()`` ends them."""
 
     judge_engines: Any = None  # raygym.cluster.actor_group.ActorGroup of EngineActor
-    teacher_actors: Any = None  # ActorGroup of raygym.distill.TeacherActor
+    teacher_actors: Any = None  # ActorGroup of raygym.rewards.distill.TeacherActor
     placements: list[Any] = field(default_factory=list)
 
     def shutdown(self) -> None:
@@ -141,7 +141,7 @@ def start_aux_groups(recipe: Recipe, run_dir: Path, engine_kind: str, say: Any =
                 ray.get([h.use_engine_api_key.remote(key) for h in groups.judge_engines.handles])
             ray.get([h.start.remote() for h in groups.judge_engines.handles])
         if recipe.distill_teacher_checkpoint:
-            from raygym.distill import TeacherActor
+            from raygym.rewards.distill import TeacherActor
 
             placement = _place(recipe.distill_num_gpus, 1, recipe, "raygym-teacher")
             groups.placements.append(placement)
@@ -165,13 +165,13 @@ def aux_manager_kwargs(recipe: Recipe, groups: AuxGroups, run_dir: Path) -> dict
         from transformers import AutoTokenizer
 
         from raygym.builtin import resolve_model_path
-        from raygym.judge import JudgeClient, JudgeSettings
+        from raygym.rewards.judge import JudgeClient, JudgeSettings
 
         assert recipe.judge_hf_checkpoint  # the judge engines start only when it is set
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(recipe.judge_hf_checkpoint, run_dir / "cache"))
         out["judge"] = JudgeClient(JudgeSettings.from_recipe(recipe), tokenizer, engines=groups.judge_engines.handles)
     if groups.teacher_actors is not None:
-        from raygym.distill import TeacherScorer
+        from raygym.rewards.distill import TeacherScorer
 
         out["teacher"] = TeacherScorer(groups.teacher_actors.handles, temperature=recipe.rollout_temperature)
     return out

@@ -252,7 +252,7 @@ def result_lines(result: object) -> list[str]:
 def export(checkpoint_dir: str, out_dir: str, merged: bool, base: str | None) -> None:
     """Export a raygym checkpoint (an iter_* directory, or a save directory: its newest complete one) to a
     Hugging Face model directory; a LoRA run's to its adapter in PEFT's format (--merged: the merged model)."""
-    from raygym.checkpoint import (
+    from raygym.checkpoint.store import (
         checkpoint_adapter,
         checkpoint_to_export,
         export_adapter,

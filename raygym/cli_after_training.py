@@ -83,7 +83,7 @@ def serve_command(source: str, host: str, port: int, route_prefix: str, model_na
     ).check()  # bad settings fail before the checkpoint is exported
     from dataclasses import replace
 
-    from raygym.model_source import resolve_model_source
+    from raygym.checkpoint.model_source import resolve_model_source
 
     resolved = resolve_model_source(source)
     recipe = dict((resolved.run_config or {}).get("recipe") or {})

@@ -1,4 +1,4 @@
-"""``raygym data prepare SOURCE --out DIR [...]``: the CLI face of :mod:`raygym.data_prepare`.
+"""``raygym data prepare SOURCE --out DIR [...]``: the CLI face of :mod:`raygym.data.prepare`.
 
     raygym data prepare hf:openai/gsm8k --hf-config main --out data/gsm8k \\
         --input-key question --label-key answer --eval-size 500
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import click
 
-from raygym.data_prepare import PrepareOptions, prepare_dataset
+from raygym.data.prepare import PrepareOptions, prepare_dataset
 
 
 @click.group()

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raygym.errors import ConfigError
-from raygym.model_source import ModelSource, resolve_model_source
+from raygym.checkpoint.model_source import ModelSource, resolve_model_source
 
 if TYPE_CHECKING:
     from raygym.config.allocation import GpuAllocation
@@ -132,7 +132,7 @@ def plan_eval(checkpoint: str, args: Sequence[str], *, cache_dir: str | None = N
     Raises :class:`ConfigError` for a bad checkpoint, bad flags, or no eval data.
     """
     from raygym.config import TrainConfig, load_train_config
-    from raygym.data import eval_dataset_urls
+    from raygym.data.prompts import eval_dataset_urls
 
     flags, own = take_options(args)
     step_text = own.get("--step")
@@ -206,11 +206,11 @@ def pass_ks(n: int) -> list[int]:
 
 def summarize(samples: Mapping[str, Sequence[Any]], n: int, pass_threshold: float,
               row: Mapping[str, float]) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Extra pass@k per dataset (unbiased, :func:`raygym.rewards.pass_at_k`) and the printed table.
+    """Extra pass@k per dataset (unbiased, :func:`raygym.rewards.scoring.pass_at_k`) and the printed table.
 
     ``samples`` holds each dataset's samples in prompt order, ``n`` per prompt; ``row`` is the manager's
     eval row (its keys are kept as they are)."""
-    from raygym.rewards import pass_at_k
+    from raygym.rewards.scoring import pass_at_k
 
     extra: dict[str, float] = {}
     table: list[dict[str, Any]] = []

@@ -348,7 +348,7 @@ def describe_actor_death(exc: BaseException, graph: RunGraph | None) -> str:
 
 def last_complete_checkpoint(checkpoint_dir: str) -> str | None:
     """The newest checkpoint under ``checkpoint_dir`` whose manifest is complete (None if none)."""
-    from raygym.checkpoint import latest_checkpoint
+    from raygym.checkpoint.store import latest_checkpoint
 
     try:
         info = latest_checkpoint(checkpoint_dir)

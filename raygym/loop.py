@@ -257,8 +257,8 @@ class Loop:
         mismatch = batch_mismatch(batch)  # engine vs trainer log-probs (single-pass trainers report their own)
         batch = batch.with_advantages(recipe.advantage_estimator, kl_coef=recipe.kl_coef, gamma=recipe.gamma,
                                       lambd=recipe.lambd)
-        if recipe.distill_teacher_checkpoint:  # on-policy distillation (raygym/distill.py)
-            from raygym.distill import distill_advantages
+        if recipe.distill_teacher_checkpoint:  # on-policy distillation (raygym/rewards/distill.py)
+            from raygym.rewards.distill import distill_advantages
 
             batch = distill_advantages(batch, samples, kl_coef=recipe.distill_kl_coef,
                                        task_weight=recipe.distill_task_weight)
@@ -282,7 +282,7 @@ class Loop:
     def commit(self, pending: PendingCheckpoint) -> None:
         """Complete a saved checkpoint after its step's rows are durable: a kill anywhere leaves the step's
         rows and its checkpoint together (resume continues after it) or neither (resume redoes the step)."""
-        from raygym.checkpoint_files import commit_manifest
+        from raygym.checkpoint.files import commit_manifest
 
         assert self.metrics is not None
         self.metrics.make_durable()

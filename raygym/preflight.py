@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raygym.data_check import DataSummary, check_prompt_data, is_local
+from raygym.data.check import DataSummary, check_prompt_data, is_local
 from raygym.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ class RunFacts:
 
     data: DataSummary
     eval_data: dict[str, DataSummary] = field(default_factory=dict)
-    rewards: list[Any] = field(default_factory=list)  # raygym.rewards.RewardFunction
+    rewards: list[Any] = field(default_factory=list)  # raygym.rewards.scoring.RewardFunction
 
 
 def _check_dataset(url: str, cfg: TrainConfig, field_name: str) -> DataSummary:
@@ -105,8 +105,8 @@ def check_rewards(cfg: TrainConfig, data: DataSummary) -> list[Any]:
     from raygym.builtin import BUILTIN_TASKS
     from raygym.config import RM_TYPES, TASK_RM_TYPES
     from raygym.envs.reasoning_gym_tasks import check_rows_scorable, is_task_uri
-    from raygym.reward_signatures import missing_inputs
-    from raygym.rewards import default_rm_type, resolve_reward_functions, rm_type_choices
+    from raygym.rewards.signatures import missing_inputs
+    from raygym.rewards.scoring import default_rm_type, resolve_reward_functions, rm_type_choices
 
     recipe = cfg.recipe
     prompt_data = cfg.dataset.prompt_data
@@ -175,7 +175,7 @@ def check_model_path(hf_checkpoint: str) -> None:
 def preflight(cfg: TrainConfig) -> RunFacts:
     """Check ``cfg`` (a :class:`raygym.TrainConfig`) as far as possible without Ray: data, eval data,
     rewards, model path, then the run and checkpoint directories (created here, as the run would)."""
-    from raygym.data import eval_dataset_urls
+    from raygym.data.prompts import eval_dataset_urls
 
     data = _check_dataset(cfg.dataset.prompt_data, cfg, "prompt_data")
     evals = {name: _check_dataset(url, cfg, f"eval_prompt_data[{name!r}]")

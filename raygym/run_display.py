@@ -24,7 +24,7 @@ def _plural(n: int, word: str) -> str:
 
 def reward_text(functions: list[Any]) -> list[str]:
     """One entry per reward function: ``name`` plus how it is called and its weight when summed."""
-    from raygym.reward_signatures import describe
+    from raygym.rewards.signatures import describe
 
     out = []
     for f in functions:

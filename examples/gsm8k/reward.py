@@ -1,7 +1,7 @@
 """GSM8K reward for the CPU example: exact answer, plus a format reward a tiny model can earn.
 
 The prompt ends with ``answer: ####`` (see the README's ``raygym data prepare`` command), so the
-response should be just the final number. ``raygym.rewards.gsm8k_reward`` checks the number; a
+response should be just the final number. ``raygym.rewards.scoring.gsm8k_reward`` checks the number; a
 response that is a number and nothing else earns 0.5 even when it is wrong, so a model that cannot
 solve the problems yet still gets a signal for the format. Use ``--rm-type gsm8k`` instead with a
 model that can do the maths.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from raygym.rewards import gsm8k_reward
+from raygym.rewards.scoring import gsm8k_reward
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 

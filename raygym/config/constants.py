@@ -25,7 +25,7 @@ RECIPE_CHOICES: dict[str, tuple[Any, ...]] = {
     "stale_sample_policy": ("regenerate", "drop"),
 }
 
-# The built-in rewards (``rm_type``); raygym.rewards.BUILTIN_REWARDS holds them under these names.
+# The built-in rewards (``rm_type``); raygym.rewards.scoring.BUILTIN_REWARDS holds them under these names.
 RM_TYPES = ("math", "math_verify", "gsm8k", "exact", "next_digit", "long_tail", "reasoning_gym")
 # rm_type values the rollout task scores itself (raygym.rollout.tasks): the judge engine group, the episode's reward.
 TASK_RM_TYPES = ("judge", "env")

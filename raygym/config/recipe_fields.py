@@ -320,7 +320,7 @@ class RecipeFields(Section):
         None, "Hook run in the trainer before each step."
     )
 
-    # ── environments, LLM judge, on-policy distillation (raygym/envs, raygym/judge.py, raygym/distill.py) ──
+    # ── environments, LLM judge, on-policy distillation (raygym/envs, raygym/rewards/judge.py, raygym/rewards/distill.py) ──
     rollout_env: CustomFunction = option(
         None, "Multi-turn environment: a raygym.envs.Environment class or factory ('pkg.module:Class'); each "
         "sample plays one episode; rm_type='env' (or unset) rewards it with the episode's reward.",

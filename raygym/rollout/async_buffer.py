@@ -30,7 +30,7 @@ STALE_POLICIES = ("regenerate", "drop")
 @dataclass(frozen=True)
 class PendingPrompt:
     """A prompt whose group has started (or must start again): its run-wide ``key`` (names its sampling seeds)
-    and its data row (``raygym.data.PromptRow``; opaque here)."""
+    and its data row (``raygym.data.prompts.PromptRow``; opaque here)."""
 
     key: int
     row: Any

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from raygym.data import PromptDataset, PromptRow
+from raygym.data.prompts import PromptDataset, PromptRow
 from raygym.errors import RaygymError
 from raygym.rollout.filters import GroupFilter
 from raygym.engines.health import EnginePool

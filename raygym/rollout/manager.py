@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from raygym import routed_experts
-from raygym.data import (
+from raygym.data.prompts import (
     PromptDataset,
     PromptRow,
     dataset_from_config,
@@ -55,7 +55,7 @@ from raygym.data import (
 )
 from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 from raygym.errors import RaygymError
-from raygym.rewards import (
+from raygym.rewards.scoring import (
     RewardModel,
     load_callable,
     reward_component_metrics,
@@ -127,8 +127,8 @@ class RolloutManager:
             options = {k: v for k, v in dataset_options(cfg).items() if k != "shuffle"}
             eval_datasets = load_eval_datasets(eval_dataset_urls(cfg), self.tokenizer, data_cache_dir, **options)
         self.eval_datasets = eval_datasets
-        # Environments, LLM judge, distillation (raygym/rollout/tasks.py): judge is a raygym.judge.JudgeClient,
-        # teacher a raygym.distill.TeacherScorer.
+        # Environments, LLM judge, distillation (raygym/rollout/tasks.py): judge is a raygym.rewards.judge.JudgeClient,
+        # teacher a raygym.rewards.distill.TeacherScorer.
         self.judge, self.teacher = judge, teacher
         self._custom_generate = tasks.episode_runner(
             self.settings, self.tokenizer,

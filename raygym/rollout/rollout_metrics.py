@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from raygym.rewards import pass_at_k
+from raygym.rewards.scoring import pass_at_k
 from raygym.types import Sample
 
 

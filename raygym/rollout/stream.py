@@ -13,7 +13,7 @@ import asyncio
 import time
 from typing import Any, Protocol
 
-from raygym.data import PromptDataset, PromptRow
+from raygym.data.prompts import PromptDataset, PromptRow
 from raygym.errors import RaygymError
 from raygym.rollout.async_buffer import AsyncBuffer, PendingPrompt
 from raygym.rollout.filters import GroupFilter

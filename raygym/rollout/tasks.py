@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from raygym.callables import load_callable
 from raygym.errors import ConfigError
-from raygym.rewards import RewardModel
+from raygym.rewards.scoring import RewardModel
 from raygym.types import Sample
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ def task_reward_model(cfg: TrainConfig, judge: Any, runner: Any = None) -> Rewar
     """The reward model of a judge run (``rm_type='judge'``) or of an environment run (``rm_type='env'``,
     or unset, with ``rollout_env``: the episode's reward; a verifiers environment's rubric, per group, for
     ``runner``, a :class:`raygym.envs.verifiers_env.VerifiersRunner`); None = the usual
-    :func:`raygym.rewards.reward_model_from_config` (with ``rollout_env`` and another ``rm_type`` that
+    :func:`raygym.rewards.scoring.reward_model_from_config` (with ``rollout_env`` and another ``rm_type`` that
     verifier scores the episode's whole response text)."""
     recipe = cfg.recipe
     post = recipe.custom_reward_post_process_function
@@ -96,7 +96,7 @@ def sample_metrics(samples: Sequence[Sample]) -> dict[str, float]:
         out[f"rollout/{name}"] = sum(values) / len(values)
     scored = [(s, s.teacher_log_probs) for s in samples if s.teacher_log_probs is not None and s.rollout_log_probs]
     if scored:
-        from raygym.distill import reverse_kl_per_token
+        from raygym.rewards.distill import reverse_kl_per_token
 
         total = tokens = 0.0
         for s, teacher in scored:

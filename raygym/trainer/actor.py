@@ -206,9 +206,9 @@ class TrainerActor:
         commit: bool = True,
     ) -> str:
         """Save a sharded checkpoint to ``save_dir`` (default ``recipe.save``): every rank calls and writes its
-        own shards (``raygym.sharded_checkpoint``). Returns the checkpoint's URL. ``commit=False``: it counts
+        own shards (``raygym.checkpoint.sharded``). Returns the checkpoint's URL. ``commit=False``: it counts
         only after :meth:`commit_checkpoint` (the loop commits once the step's rows are written)."""
-        from raygym.sharded_checkpoint import save_sharded
+        from raygym.checkpoint.sharded import save_sharded
 
         target = save_dir or self.settings.save
         if not target:
@@ -221,7 +221,7 @@ class TrainerActor:
     def commit_checkpoint(self, url: str) -> bool:
         """Complete a checkpoint saved with ``commit=False`` (rank 0 renames its manifest into place; the
         directory is the one every rank wrote, so the trainer, not the driver, is sure to reach it)."""
-        from raygym.checkpoint_files import commit_manifest
+        from raygym.checkpoint.files import commit_manifest
 
         return commit_manifest(url) if self.get_rank() == 0 else False
 
@@ -233,7 +233,7 @@ class TrainerActor:
         Returns None when there is nothing to load, else ``{"rollout_id", "start_rollout_id", "extra",
         "path"}``; ``start_rollout_id`` follows the recipe's ``start_rollout_id`` (None = stored + 1).
         """
-        from raygym.checkpoint import list_checkpoints, resolve_start_rollout_id
+        from raygym.checkpoint.store import list_checkpoints, resolve_start_rollout_id
 
         source = load_dir or self.settings.load
         if not source:
@@ -258,8 +258,8 @@ class TrainerActor:
     def _load_into_backend(self, path: str, load_optimizer: bool) -> dict[str, Any]:
         """Fill the backend's own state template from checkpoint ``path`` (sharded, or the older
         single-file format) and hand it to the backend; returns the checkpoint's ``extra``."""
-        from raygym.checkpoint import load_checkpoint
-        from raygym.sharded_checkpoint import FORMAT_SHARDED, checkpoint_format, fill_from_full, load_sharded
+        from raygym.checkpoint.store import load_checkpoint
+        from raygym.checkpoint.sharded import FORMAT_SHARDED, checkpoint_format, fill_from_full, load_sharded
 
         backend = self._live
         template = backend.checkpoint_state(include_optimizer=load_optimizer)

@@ -24,7 +24,7 @@ backend (``megatron_backend.py``) implement this contract:
   must iterate; rank 0 gets full tensors, other ranks may get None.
 - ``offload()`` / ``onload()``: move params, grads and optimizer state to host memory and back (colocate).
 - ``checkpoint_state(include_optimizer) -> CheckpointState``: THIS rank's blocks of the weights (fp32,
-  HF names and shapes), optimizer state, schedule position and RNG, for ``raygym.sharded_checkpoint`` (a
+  HF names and shapes), optimizer state, schedule position and RNG, for ``raygym.checkpoint.sharded`` (a
   collective under sharding; nothing is gathered). ``load_checkpoint_state(state, load_optimizer)``
   restores from such a state, once DCP has filled it in place.
 - ``save_hf(out_dir)``: write an HF model directory (rank 0 writes; every rank calls).

@@ -106,7 +106,7 @@ def write_value_model(state: dict[str, torch.Tensor], hf_source: str, out_url: s
     import fsspec
     from safetensors.torch import save_file
 
-    from raygym.checkpoint_files import HF_SIDE_FILES
+    from raygym.checkpoint.files import HF_SIDE_FILES
 
     fs, root = fsspec.core.url_to_fs(out_url)
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)

@@ -13,7 +13,7 @@ The extra ``megatron`` provides megatron-core; it is imported lazily (``pip inst
 * Reference model (``use_kl_loss`` / ``kl_coef``): a second, frozen ``GPTModel`` with the same parallel
   layout, loaded from ``ref_load`` or the initial weights; on a GPU it waits in host memory between uses.
 * Checkpoints: each rank's blocks of the HF tensors (``raygym.trainer.megatron_state``), written by
-  ``raygym.sharded_checkpoint`` with ``torch.distributed.checkpoint``; they load at any TP/EP/DP layout.
+  ``raygym.checkpoint.sharded`` with ``torch.distributed.checkpoint``; they load at any TP/EP/DP layout.
 * Samples of a micro-batch are packed into one row. ``qkv_format="bshd"`` runs Megatron's own attention
   with a block-diagonal causal mask (works everywhere); ``"thd"`` uses Transformer Engine with
   ``PackedSeqParams`` (GPU, needs transformer-engine).
@@ -561,7 +561,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         """This rank's blocks of the HF tensors (fp32 master weights, Adam moments), schedule and RNG."""
         from megatron.core import tensor_parallel
 
-        from raygym.checkpoint import capture_rng_state
+        from raygym.checkpoint.store import capture_rng_state
 
         assert self.shape is not None
         model, optim = megatron_checkpoint_state(self._mapped_params(self.model), self.optimizer, self.shape,
@@ -573,7 +573,7 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         """Restore weights, optimizer state, schedule and RNG from a filled ``checkpoint_state`` template."""
         from megatron.core import tensor_parallel
 
-        from raygym.checkpoint import restore_rng_state
+        from raygym.checkpoint.store import restore_rng_state
 
         assert self.shape is not None
         optim = state.optimizer if load_optimizer else None

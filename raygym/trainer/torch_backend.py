@@ -12,7 +12,7 @@
   config; the HF models have no hidden dropout, so ``hidden_dropout > 0`` is a ConfigError here.
 - Loss: :func:`raygym.algo.rl_loss` (the one RL loss, shared with the Megatron backend).
 - Checkpoints: each rank's own FSDP2 shards (DTensors of ``get_model_state_dict`` /
-  ``get_optimizer_state_dict``), written by ``raygym.sharded_checkpoint`` with
+  ``get_optimizer_state_dict``), written by ``raygym.checkpoint.sharded`` with
   ``torch.distributed.checkpoint``; they load on any world size; resume is bit-identical on CPU. Weight sync,
   checkpoint state and HF export live in :mod:`raygym.trainer.torch_weights`.
 - LoRA (``lora_rank > 0``, :mod:`raygym.trainer.lora`): the policy is the frozen base plus peft adapters; only

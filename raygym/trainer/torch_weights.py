@@ -96,7 +96,7 @@ class TorchWeights:
         """This rank's shards: DTensors under FSDP2, plain tensors on one rank (see ``CheckpointState``)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        from raygym.checkpoint import capture_rng_state
+        from raygym.checkpoint.store import capture_rng_state
 
         if self.lora is not None:  # the adapters and their optimizer state, under raygym.lora's names
             from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -117,10 +117,10 @@ class TorchWeights:
                                rng=capture_rng_state())
 
     def load_checkpoint_state(self, state: CheckpointState, load_optimizer: bool = True) -> None:
-        """Restore from ``state``: a ``checkpoint_state`` template that ``raygym.sharded_checkpoint`` filled."""
+        """Restore from ``state``: a ``checkpoint_state`` template that ``raygym.checkpoint.sharded`` filled."""
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        from raygym.checkpoint import restore_rng_state
+        from raygym.checkpoint.store import restore_rng_state
 
         if self.lora is not None:
             from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -147,7 +147,7 @@ class TorchWeights:
         if self.lora is not None:
             files = self.adapter_files()
             if self.rank == 0:
-                from raygym.checkpoint import write_adapter_files
+                from raygym.checkpoint.store import write_adapter_files
 
                 write_adapter_files(files, self.model_path, out_dir)
             if self.world_size > 1:
@@ -164,6 +164,6 @@ class TorchWeights:
         return out_dir
 
     def _write_hf(self, state: dict[str, torch.Tensor], out_dir: str) -> None:
-        from raygym.checkpoint import write_hf_model
+        from raygym.checkpoint.store import write_hf_model
 
         write_hf_model(state, self.model_path, out_dir)

@@ -127,7 +127,7 @@ def finish(proc: subprocess.Popen, out: Path) -> None:
 
 def trained_and_pending(out: Path) -> tuple[list[list[int]], list[int], int]:
     """Prompt keys trained per step, the keys started and not trained at the end, the prompts started."""
-    from raygym.checkpoint import latest_checkpoint, load_checkpoint
+    from raygym.checkpoint.store import latest_checkpoint, load_checkpoint
 
     steps = assert_every_step_once(out)
     last = latest_checkpoint(str(out / "checkpoints"))

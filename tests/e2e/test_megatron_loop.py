@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from raygym.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from raygym.checkpoint.store import latest_checkpoint, list_checkpoints, load_checkpoint
 from raygym.config import load_train_config, megatron_installed
 
 pytestmark = [

@@ -41,7 +41,7 @@ def rows_of(result: Any) -> dict[int, dict[str, Any]]:
 
 
 def test_resume_continues_with_same_metrics(ray_local, tmp_path):
-    from raygym.checkpoint import latest_checkpoint, load_checkpoint
+    from raygym.checkpoint.store import latest_checkpoint, load_checkpoint
     from raygym.driver import train
 
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"

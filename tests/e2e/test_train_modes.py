@@ -97,7 +97,7 @@ def released_during_training(probe_dir: str):
 
 
 def checkpoint_checksums(checkpoint: str) -> dict[str, str]:
-    from raygym.checkpoint import load_checkpoint
+    from raygym.checkpoint.store import load_checkpoint
     from raygym.weightsync.codec import checksum
 
     state = load_checkpoint(checkpoint, load_optimizer=False).model_state

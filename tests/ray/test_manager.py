@@ -13,7 +13,7 @@ import pytest
 
 from raygym.builtin import build_tokenizer, next_digit_reward
 from raygym.config import DatasetConfig, ModelConfig, Recipe, TrainConfig
-from raygym.data import PromptDataset
+from raygym.data.prompts import PromptDataset
 from raygym.presets import tiny
 from raygym.engines.actor import EngineActor
 from raygym.rollout.manager import RolloutManager, RolloutSettings

@@ -43,7 +43,7 @@ def exported_log_probs(directory: str, batch) -> list[torch.Tensor]:
 
 
 def check(backend: str, kind: str, model_dir: str, out: Path) -> dict:
-    from raygym.checkpoint import export_hf, load_checkpoint
+    from raygym.checkpoint.store import export_hf, load_checkpoint
     from raygym.config import ModelConfig, TrainConfig
     from raygym.trainer import TrainerActor, TrainerSettings
     from raygym.trainer.contract import CheckpointState, LogProbResult

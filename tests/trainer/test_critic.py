@@ -207,7 +207,7 @@ def test_save_resume_and_export_round_trip(tiny_model_path, tmp_path):
     path = first.save_checkpoint(0, extra={"data_index": 8}, save_dir=str(tmp_path / "ckpt"))
     assert path.endswith("/critic/iter_0000000")
     # the policy's checkpoint listing in the same directory does not see the critic's
-    from raygym.checkpoint import latest_checkpoint
+    from raygym.checkpoint.store import latest_checkpoint
 
     assert latest_checkpoint(str(tmp_path / "ckpt")) is None
     losses_a = [first.train_step(with_returns(first.backend, batch), i)["critic/value_loss"] for i in (1, 2)]

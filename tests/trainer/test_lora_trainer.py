@@ -75,7 +75,7 @@ def test_checkpoint_holds_a_peft_adapter_and_resume_is_bit_identical(tiny_model_
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from raygym.checkpoint import checkpoint_adapter, export_adapter, export_merged
+    from raygym.checkpoint.store import checkpoint_adapter, export_adapter, export_merged
 
     batch = make_batch(seed=4)
     first = TrainerActor(settings=settings_for(tiny_model_path, **LORA))

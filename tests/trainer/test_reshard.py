@@ -12,7 +12,7 @@ import pytest
 import torch
 from trainer_setup import MEGATRON, save_tiny_model, spawn_ranks
 
-from raygym.checkpoint import latest_checkpoint, load_checkpoint
+from raygym.checkpoint.store import latest_checkpoint, load_checkpoint
 
 HERE = Path(__file__).resolve().parent
 

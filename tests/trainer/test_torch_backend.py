@@ -82,8 +82,8 @@ def test_log_probs_match_a_direct_forward_at_temperature(tiny_model_path):
 def _fsdp_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
-    from raygym.checkpoint import load_checkpoint
-    from raygym.sharded_checkpoint import load_sharded, save_sharded
+    from raygym.checkpoint.store import load_checkpoint
+    from raygym.checkpoint.sharded import load_sharded, save_sharded
 
     join_local_world(rank, world, port)
     backend = TorchBackend(
@@ -161,7 +161,7 @@ def test_save_then_resume_is_bit_identical(tiny_model_path, tmp_path):
 def test_hf_export_round_trip(tiny_model_path, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from raygym.checkpoint import export_hf
+    from raygym.checkpoint.store import export_hf
 
     actor = TrainerActor(settings=settings_for(tiny_model_path))
     actor.init()

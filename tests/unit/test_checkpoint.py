@@ -11,7 +11,7 @@ import fsspec
 import pytest
 import torch
 
-from raygym.checkpoint import (
+from raygym.checkpoint.store import (
     capture_rng_state,
     latest_checkpoint,
     list_checkpoints,
@@ -75,7 +75,7 @@ def test_newest_complete_wins_and_half_written_is_ignored(ckpt_dir, caplog):
     save_checkpoint(ckpt_dir, 12, model_state=_state(12))
     with fs.open(f"{root}/iter_0000012/model.pt", "wb") as f:
         f.write(b"trunc")
-    with caplog.at_level(logging.WARNING, logger="raygym.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="raygym.checkpoint.store"):
         info = latest_checkpoint(ckpt_dir)
     assert info.rollout_id == 10
     assert [c.rollout_id for c in list_checkpoints(ckpt_dir)] == [2, 10]

@@ -74,16 +74,16 @@ READ_BY = {
         "start_rollout_id": "raygym/trainer/actor.py",
         "rollout_batch_size": "raygym/rollout/manager.py",
         "rollout_max_response_len": "raygym/rollout/manager.py",
-        "rollout_max_prompt_len": "raygym/data.py",
+        "rollout_max_prompt_len": "raygym/data/prompts.py",
         "rollout_temperature": "raygym/rollout/manager.py",
         "rollout_top_p": "raygym/rollout/manager.py",
         "rollout_stop_token_ids": "raygym/rollout/manager.py",
-        "rollout_shuffle": "raygym/data.py",
+        "rollout_shuffle": "raygym/data/prompts.py",
         "over_sampling_batch_size": "raygym/rollout/dynamic_sampling.py",
         "dynamic_sampling_filter_path": "raygym/rollout/manager.py",
         "balance_data": "raygym/trainer/torch_backend.py",
-        "rm_type": "raygym/rewards.py",
-        "reward_functions": "raygym/rewards.py",
+        "rm_type": "raygym/rewards/scoring.py",
+        "reward_functions": "raygym/rewards/scoring.py",
         "capture_trace": "raygym/rollout/manager.py",
         "trace_sample_limit": "raygym/rollout/manager.py",
         "substep_timing": "raygym/driver.py",
@@ -126,7 +126,7 @@ READ_BY = {
         "n_samples_per_eval_prompt": "raygym/rollout/manager.py",
         "eval_max_response_len": "raygym/rollout/manager.py",
         "eval_top_p": "raygym/rollout/manager.py",
-        "eval_config": "raygym/data.py",
+        "eval_config": "raygym/data/prompts.py",
         "save": "raygym/trainer/actor.py",
         "save_interval": "raygym/loop.py",
         "load": "raygym/trainer/actor.py",
@@ -142,9 +142,9 @@ READ_BY = {
         "update_weight_double_buffer": "raygym/weightsync/coordinator.py",
         "update_weight_timeout": "raygym/weightsync/sender.py",
         "update_weight_probe_tolerance": "raygym/weightsync/coordinator.py",
-        "custom_rm_function": "raygym/rewards.py",
+        "custom_rm_function": "raygym/rewards/scoring.py",
         "custom_generate_function": "raygym/rollout/manager.py",
-        "custom_reward_post_process_function": "raygym/rewards.py",
+        "custom_reward_post_process_function": "raygym/rewards/scoring.py",
         "custom_rollout_log_function": "raygym/loop.py",
         "custom_eval_rollout_log_function": "raygym/loop.py",
         "rollout_function": "raygym/rollout/manager.py",
@@ -156,13 +156,13 @@ READ_BY = {
         "judge_hf_checkpoint": "raygym/aux_groups.py",
         "judge_num_engines": "raygym/aux_groups.py",
         "judge_num_gpus_per_engine": "raygym/aux_groups.py",
-        "judge_prompt_template": "raygym/judge.py",
-        "judge_max_response_len": "raygym/judge.py",
-        "judge_score_min": "raygym/judge.py",
-        "judge_score_max": "raygym/judge.py",
-        "judge_failure_score": "raygym/judge.py",
-        "judge_batch_size": "raygym/judge.py",
-        "judge_cache_size": "raygym/judge.py",
+        "judge_prompt_template": "raygym/rewards/judge.py",
+        "judge_max_response_len": "raygym/rewards/judge.py",
+        "judge_score_min": "raygym/rewards/judge.py",
+        "judge_score_max": "raygym/rewards/judge.py",
+        "judge_failure_score": "raygym/rewards/judge.py",
+        "judge_batch_size": "raygym/rewards/judge.py",
+        "judge_cache_size": "raygym/rewards/judge.py",
         "distill_teacher_checkpoint": "raygym/aux_groups.py",
         "distill_num_gpus": "raygym/aux_groups.py",
         "distill_kl_coef": "raygym/loop.py",
@@ -195,13 +195,13 @@ READ_BY = {
     },
     "DatasetConfig": {
         "prompt_data": "raygym/cli.py",
-        "input_key": "raygym/data.py",
-        "label_key": "raygym/data.py",
-        "metadata_key": "raygym/data.py",
-        "apply_chat_template": "raygym/data.py",
+        "input_key": "raygym/data/prompts.py",
+        "label_key": "raygym/data/prompts.py",
+        "metadata_key": "raygym/data/prompts.py",
+        "apply_chat_template": "raygym/data/prompts.py",
         "apply_chat_template_kwargs": "raygym/config/run.py",
-        "eval_prompt_data": "raygym/data.py",
-        "format": "raygym/data.py",
+        "eval_prompt_data": "raygym/data/prompts.py",
+        "format": "raygym/data/prompts.py",
     },
     "MetricsConfig": {
         "wandb_project": "raygym/metrics.py",
@@ -242,8 +242,8 @@ def test_a_read_is_an_attribute_of_a_typed_config_not_a_name_in_a_string(tmp_pat
                                    (DatasetConfig, "format"), (Recipe, "seed"), (TrainerSettings, "lr")}
     assert reads_field(str(reader), Recipe, "lr") and not reads_field(str(reader), ModelConfig, "dtype")
     # checkpoint.py writes a manifest key named "format"; no DatasetConfig is read there
-    assert '"format"' in (ROOT / "raygym/checkpoint.py").read_text()
-    assert not reads_field("raygym/checkpoint.py", DatasetConfig, "format")
+    assert '"format"' in (ROOT / "raygym/checkpoint/store.py").read_text()
+    assert not reads_field("raygym/checkpoint/store.py", DatasetConfig, "format")
 
 
 REFUSED_VALUES = {

@@ -10,7 +10,7 @@ import pytest
 
 from raygym.builtin import NEXT_DIGIT_TASK, build_tokenizer
 from raygym.config import DatasetConfig, ModelConfig, Recipe, TrainConfig
-from raygym.data import (
+from raygym.data.prompts import (
     PromptDataset,
     dataset_from_config,
     eval_dataset_urls,

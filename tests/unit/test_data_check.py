@@ -11,7 +11,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from raygym.data_check import REMOTE_ROWS_CHECKED, check_prompt_data
+from raygym.data.check import REMOTE_ROWS_CHECKED, check_prompt_data
 from raygym.errors import ConfigError
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "gsm8k_sample.jsonl"

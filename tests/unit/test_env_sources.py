@@ -13,7 +13,7 @@ import pytest
 from raygym import TrainConfig
 from raygym.builtin import build_tokenizer
 from raygym.config import load_train_config
-from raygym.data_prepare import PrepareOptions, prepare_dataset
+from raygym.data.prepare import PrepareOptions, prepare_dataset
 from raygym.engine_api.protocol import GenerateResponse
 from raygym.envs import Environment, EpisodeRunner, Step
 from raygym.envs.chat_tokens import ChatTokens
@@ -22,7 +22,7 @@ from raygym.envs.reasoning_gym_tasks import parse_task, reasoning_gym_reward, ta
 from raygym.envs.specs import parse_env_spec
 from raygym.errors import ConfigError, RaygymError
 from raygym.preflight import preflight
-from raygym.rewards import RewardModel
+from raygym.rewards.scoring import RewardModel
 from raygym.types import Sample
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from raygym.checkpoint import save_checkpoint
+from raygym.checkpoint.store import save_checkpoint
 from raygym.config import DatasetConfig, ModelConfig, TrainConfig, load_train_config
 from raygym.errors import ConfigError
 from raygym.evaluate import dataset_name, engine_allocation, pass_ks, plan_eval, summarize, take_options
-from raygym.model_source import resolve_model_source
+from raygym.checkpoint.model_source import resolve_model_source
 from raygym.presets import qwen3_4b, qwen3_30b_a3b, tiny
-from raygym.rewards import pass_at_k
+from raygym.rewards.scoring import pass_at_k
 from raygym.types import Sample
 
 
@@ -118,7 +118,7 @@ def test_summarize_adds_unbiased_pass_at_k():
 
 def test_the_builtin_task_has_a_held_out_eval_split_used_by_default(tmp_path):
     from raygym.builtin import materialize_dataset
-    from raygym.data import eval_dataset_urls
+    from raygym.data.prompts import eval_dataset_urls
 
     cfg = load_train_config([])  # what `raygym train` with no flags runs
     assert eval_dataset_urls(cfg) == {"next-digit": "builtin:next-digit#eval"}

@@ -23,11 +23,11 @@ from raygym.builtin import (
     long_tail_rows,
     materialize_dataset,
 )
-from raygym.data import PromptDataset
+from raygym.data.prompts import PromptDataset
 from raygym.errors import ConfigError
 from raygym.preflight import preflight
 from raygym.presets import tiny
-from raygym.rewards import RewardModel, default_rm_type
+from raygym.rewards.scoring import RewardModel, default_rm_type
 from raygym.types import Sample
 
 

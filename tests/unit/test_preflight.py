@@ -48,7 +48,7 @@ def test_builtin_task_reward_on_other_data_names_rm_type_and_choices(tmp_path):
     assert all(name in message for name in ("'math'", "'math_verify'", "'gsm8k'", "'exact'"))
     assert not (tmp_path / "run").exists()  # nothing written before the checks passed
     # an explicit custom reward is the user's choice
-    ok = config(tmp_path, tiny().replace(custom_rm_function="raygym.rewards:gsm8k_reward"), prompt_data=FIXTURE,
+    ok = config(tmp_path, tiny().replace(custom_rm_function="raygym.rewards.scoring:gsm8k_reward"), prompt_data=FIXTURE,
                 input_key="question", label_key="answer")
     assert [f.convention for f in preflight(ok).rewards] == ["fields"]
 

@@ -12,7 +12,7 @@ import pytest
 
 from raygym.builtin import next_digit_reward as builtin_next_digit_reward
 from raygym.errors import ConfigError
-from raygym.rewards import (
+from raygym.rewards.scoring import (
     RewardModel,
     extract_boxed,
     gsm8k_label,
@@ -144,7 +144,7 @@ def test_async_fields_style_reward_gets_fields_by_name():
 
 
 def test_fields_style_subset_and_import_path():
-    model = RewardModel(custom_rm_function="raygym.rewards:exact_reward")  # fn(response, label)
+    model = RewardModel(custom_rm_function="raygym.rewards.scoring:exact_reward")  # fn(response, label)
     assert model.convention == "fields"
     assert [s.reward for s in score(model, [sample("x", "x"), sample("y", "x")])] == [1.0, 0.0]
 

@@ -122,7 +122,7 @@ def test_plan_prints_notes_not_python_warnings():
 @pytest.mark.slow  # a CLI subprocess importing torch
 def test_export_names_the_step_and_keeps_file_modes(tmp_path):
     from raygym.builtin import build_tiny_model, materialize_model
-    from raygym.checkpoint import save_checkpoint
+    from raygym.checkpoint.store import save_checkpoint
 
     source = materialize_model("builtin:tiny-qwen3", tmp_path / "models")
     model, _ = build_tiny_model()

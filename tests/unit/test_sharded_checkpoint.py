@@ -8,8 +8,8 @@ import fsspec
 import pytest
 import torch
 
-from raygym.checkpoint import capture_rng_state, latest_checkpoint, load_checkpoint
-from raygym.sharded_checkpoint import FORMAT_SHARDED, fill_from_full, load_sharded, save_sharded
+from raygym.checkpoint.store import capture_rng_state, latest_checkpoint, load_checkpoint
+from raygym.checkpoint.sharded import FORMAT_SHARDED, fill_from_full, load_sharded, save_sharded
 from raygym.trainer.contract import CheckpointState
 from raygym.trainer.tensor_shard import TensorShard
 
@@ -50,7 +50,7 @@ def test_round_trip_manifest_last_and_whole_read(ckpt_dir):
 
 
 def test_an_uncommitted_checkpoint_does_not_count_until_committed(ckpt_dir):
-    from raygym.checkpoint_files import commit_manifest
+    from raygym.checkpoint.files import commit_manifest
 
     save_sharded(ckpt_dir, 3, state(1.0), rank=0, world_size=1)
     url = save_sharded(ckpt_dir, 6, state(2.0), rank=0, world_size=1, commit=False)

@@ -12,7 +12,7 @@ from raygym.aux_groups import judge_engine_recipe
 from raygym.config import Recipe
 from raygym.engine_api.client import EngineClient
 from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
-from raygym.judge import JudgeClient, JudgeSettings, parse_score, render_prompt
+from raygym.rewards.judge import JudgeClient, JudgeSettings, parse_score, render_prompt
 from raygym.engines.actor import EngineActor
 from raygym.engines.launch.vllm import max_model_len
 

@@ -11,7 +11,7 @@ Custom reward functions (``custom_rm_function``: a callable or ``"pkg.mod:fn"``,
 called the way their signature says: raygym's ``fn(sample)``, ``fn(prompt, response, label,
 metadata)`` or batched ``fn(samples)``, TRL's ``fn(prompts, completions, **columns) -> list[float |
 None]`` and verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)`` (see
-:mod:`raygym.reward_signatures`). ``reward_functions`` sums several, with weights
+:mod:`raygym.rewards.signatures`). ``reward_functions`` sums several, with weights
 (``{"gsm8k": 1.0, "my_pkg.rewards:format_reward": 0.2}``); each one's mean is logged as
 ``rollout/reward/<name>``. A function may give a sample no reward (``None``, TRL's convention): it then
 adds nothing to that sample's sum.
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from raygym.callables import load_callable
 from raygym.config import RM_TYPES
 from raygym.errors import ConfigError
-from raygym.reward_signatures import (
+from raygym.rewards.signatures import (
     PER_GROUP,
     accepted,
     fields_arguments,
@@ -240,7 +240,7 @@ def _error_text(exc: BaseException) -> str:
 @dataclass(frozen=True)
 class RewardFunction:
     """One reward function of a run: ``name`` (its metric: ``rollout/reward/<name>``), the callable,
-    how it is called (:mod:`raygym.reward_signatures`), its weight in the sum, and where it came from
+    how it is called (:mod:`raygym.rewards.signatures`), its weight in the sum, and where it came from
     (``"rm_type"``, an import path, or ``"callable"``)."""
 
     name: str

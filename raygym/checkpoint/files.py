@@ -1,4 +1,4 @@
-"""What both checkpoint formats share (:mod:`raygym.checkpoint`, :mod:`raygym.sharded_checkpoint`): the file
+"""What both checkpoint formats share (:mod:`raygym.checkpoint.store`, :mod:`raygym.checkpoint.sharded`): the file
 names, the manifest that marks a checkpoint complete, and the writes through fsspec (atomic on local disks)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Checkpoints through fsspec (any URL: local paths, ``memory://``, object stores) and HF export.
 
-Trainers write SHARDED checkpoints (``raygym.sharded_checkpoint``, format ``raygym-checkpoint/2``): every
+Trainers write SHARDED checkpoints (``raygym.checkpoint.sharded``, format ``raygym-checkpoint/2``): every
 rank writes its own blocks with ``torch.distributed.checkpoint`` and the checkpoint loads on any world
 size. This module owns what every format shares: the ``iter_{rollout_id:07d}`` directories, the manifest
 (written LAST, temp file + rename on local disks, listing every file and its size), finding the newest
@@ -40,7 +40,7 @@ from typing import Any
 import fsspec
 import torch
 
-from raygym.checkpoint_files import (
+from raygym.checkpoint.files import (
     FORMAT,
     HF_SIDE_FILES,
     ITER_RE,
@@ -192,7 +192,7 @@ def load_checkpoint(path: str, *, load_optimizer: bool = True) -> LoadedCheckpoi
     with fs.open(join_url(root, "extra.json"), "r") as f:
         extra = json.load(f)
     if manifest.get("format") != FORMAT:
-        from raygym.sharded_checkpoint import read_full_sharded
+        from raygym.checkpoint.sharded import read_full_sharded
 
         model, optim, trainer_state = read_full_sharded(path, load_optimizer=load_optimizer)
         return LoadedCheckpoint(int(manifest["rollout_id"]), model, optim, trainer_state, extra, path)

@@ -16,7 +16,7 @@ Five conventions, recognised in this order:
              (``[{"role": "assistant", "content": text}]``), as TRL does.
 ``fields``   every parameter named from ``prompt, response, label, metadata`` (any subset, by name):
              ``fn(prompt, response, label, metadata) -> float``, per sample. The built-in rewards
-             (``raygym.rewards.BUILTIN_REWARDS``) are ``fn(response, label)``.
+             (``raygym.rewards.scoring.BUILTIN_REWARDS``) are ``fn(response, label)``.
 ``sample``   one required parameter of any other name: ``fn(sample: Sample) -> float``, per sample.
 
 Sync or async (``async def``) alike. Anything else is a :class:`ConfigError` naming the conventions.

@@ -12,8 +12,8 @@ A LoRA run's checkpoint (or an adapter directory) resolves to its base model plu
 base model (the one ``adapter_config.json`` names), ``adapter_dir`` a local copy of the adapter; the engines
 serve the base with the adapter beside it, as they did in training.
 
-Checkpoints are found with :func:`raygym.checkpoint.list_checkpoints` and turned into an HF directory
-with :func:`raygym.checkpoint.export_hf`, so whatever the checkpoint format is, a source resolves the
+Checkpoints are found with :func:`raygym.checkpoint.store.list_checkpoints` and turned into an HF directory
+with :func:`raygym.checkpoint.store.export_hf`, so whatever the checkpoint format is, a source resolves the
 same way. The run's ``config.json`` (when there is one) travels along: eval reuses its seed, reward and
 eval settings.
 
@@ -109,7 +109,7 @@ def _short_name(path: str) -> str:
 
 def _export(info: Any, cache_dir: str) -> str:
     """Export the checkpoint ``info`` once into ``cache_dir``; an export of the same manifest is reused."""
-    from raygym.checkpoint import export_hf
+    from raygym.checkpoint.store import export_hf
 
     digest = hashlib.blake2b(json.dumps([info.path, info.manifest], sort_keys=True, default=str).encode(),
                              digest_size=6).hexdigest()
@@ -122,7 +122,7 @@ def _export(info: Any, cache_dir: str) -> str:
 
 def _export_adapter(info: Any, cache_dir: str) -> str:
     """Copy a LoRA checkpoint's adapter once into ``cache_dir`` (reused for the same manifest)."""
-    from raygym.checkpoint import export_adapter
+    from raygym.checkpoint.store import export_adapter
     from raygym.lora import is_adapter_dir
 
     digest = hashlib.blake2b(json.dumps([info.path, info.manifest], sort_keys=True, default=str).encode(),
@@ -135,7 +135,7 @@ def _export_adapter(info: Any, cache_dir: str) -> str:
 
 def _from_checkpoint(info: Any, cache_dir: str | None, run_dir: str | None, config: dict[str, Any] | None,
                      label: str) -> ModelSource:
-    from raygym.checkpoint import adapter_base, checkpoint_adapter
+    from raygym.checkpoint.store import adapter_base, checkpoint_adapter
 
     if cache_dir is None:  # the run's own cache when it is on this machine (Ray workers see it as the run does)
         from raygym.builtin import default_cache_dir
@@ -164,7 +164,7 @@ def resolve_model_source(source: str, cache_dir: str | None = None) -> ModelSour
     save directory without a complete checkpoint.
     """
     from raygym.builtin import is_builtin, resolve_model_path
-    from raygym.checkpoint import list_checkpoints
+    from raygym.checkpoint.store import list_checkpoints
 
     if not source:
         raise ConfigError("checkpoint='': give a run directory, a checkpoint, or an HF model directory")
@@ -196,7 +196,7 @@ def resolve_model_source(source: str, cache_dir: str | None = None) -> ModelSour
     from raygym.lora import is_adapter_dir
 
     if "://" not in source and is_adapter_dir(path):  # a LoRA adapter: its base model plus it
-        from raygym.checkpoint import adapter_base
+        from raygym.checkpoint.store import adapter_base
 
         return ModelSource(adapter_base(path), "adapter", _short_name(source), adapter_dir=path)
     if config is not None:  # an HF model directory (config.json of a model)

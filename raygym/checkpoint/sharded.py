@@ -14,11 +14,11 @@ Layout of ``<dir>/iter_{rollout_id:07d}/`` (format ``raygym-checkpoint/2``):
   ``adapter_model.safetensors``), which ``peft`` loads onto the base model; ``dcp/`` then holds the adapters
   and their optimizer state only;
 - ``manifest.json``: written LAST by rank 0, after every rank's files are complete, listing every file
-  and its size (``raygym.checkpoint`` skips a directory without a valid one). Saved with ``commit=False``,
+  and its size (``raygym.checkpoint.store`` skips a directory without a valid one). Saved with ``commit=False``,
   it is written as ``manifest.pending.json`` and the checkpoint counts only once
-  :func:`raygym.checkpoint_files.commit_manifest` puts it in place (the loop does, after the step's rows).
+  :func:`raygym.checkpoint.files.commit_manifest` puts it in place (the loop does, after the step's rows).
 
-The rank-0 gather-and-pickle format (``raygym-checkpoint/1``, ``raygym.checkpoint.save_checkpoint``) still
+The rank-0 gather-and-pickle format (``raygym-checkpoint/1``, ``raygym.checkpoint.store.save_checkpoint``) still
 loads. The directory must be shared by all ranks (a shared filesystem or an object store URL).
 
 >>> import torch
@@ -43,7 +43,7 @@ from typing import Any
 import fsspec
 import torch
 
-from raygym.checkpoint_files import (
+from raygym.checkpoint.files import (
     FORMAT,
     MANIFEST,
     PENDING_MANIFEST,
@@ -100,7 +100,7 @@ def save_sharded(
 ) -> str:
     """Write checkpoint ``rollout_id`` under ``dir_url``: a collective, every rank of the trainer calls it
     with its own :class:`CheckpointState`. Returns the checkpoint's URL (on every rank). ``commit=False``
-    leaves it incomplete until :func:`raygym.checkpoint_files.commit_manifest`."""
+    leaves it incomplete until :func:`raygym.checkpoint.files.commit_manifest`."""
     import torch.distributed.checkpoint as dcp
 
     fs, root = fsspec.core.url_to_fs(dir_url)

@@ -1,0 +1,3 @@
+"""Rewards: built-in verifiers, custom reward functions read by their signature (raygym, TRL, verl), LLM
+judges and on-policy distillation.
+"""
