@@ -111,7 +111,7 @@ def split(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
 
 
 def run_raygym(mode: str, steps: int, work: Path, model_path: str, max_new_tokens: int) -> list[dict[str, Any]]:
-    from raygym.driver import train
+    from raygym.run.driver import train
 
     recipe = bench_recipe(max_new_tokens, num_rollout=steps, async_mode=(mode == "async"),
                           fully_async=(mode == "fully_async"), use_tis=(mode == "fully_async"))

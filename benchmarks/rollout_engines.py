@@ -124,7 +124,7 @@ def hf_step_seconds(model_path: str, repeats: int) -> float:
 
 def train_steps(args: argparse.Namespace, engines: list[str], machine: dict[str, Any], work: Path) -> None:
     from raygym import DatasetConfig, ModelConfig, TrainConfig
-    from raygym.driver import train
+    from raygym.run.driver import train
 
     path = materialize_model(TINY_MODEL, work / "train-tiny32", seed=0, **TRAIN_ARCH)
     base = hf_step_seconds(path, args.repeats)

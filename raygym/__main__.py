@@ -2,6 +2,6 @@
 
 import sys
 
-from raygym.cli import main
+from raygym.cli.main import main
 
 sys.exit(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from raygym.cli import main as _cli_main
+from raygym.cli.main import main as _cli_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:

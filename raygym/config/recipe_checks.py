@@ -191,7 +191,7 @@ def check_modes(r: RecipeFields) -> None:
     if r.rollout_engine != "auto":
         check_weight_sync(r.rollout_engine, mode=r.update_weight_mode, transport=r.update_weight_transport,
                           colocate=r.colocate, double_buffer=r.update_weight_double_buffer)
-        if r.use_rollout_routing_replay:  # whether it runs on CUDA: raygym.graph.preflight_engine
+        if r.use_rollout_routing_replay:  # whether it runs on CUDA: raygym.run.graph.preflight_engine
             check_routing_replay(r.rollout_engine)
     if r.advantage_estimator == "ppo" and not r.use_critic:
         raise ConfigError(
@@ -270,7 +270,7 @@ def check_judge_and_teacher(r: RecipeFields) -> None:
 def check_lora(r: RecipeFields) -> None:
     """The ``lora_*`` fields (:mod:`raygym.lora`): a rank of 0 turns LoRA off, so the other fields must then keep
     their defaults (a value there would be silently ignored); the targets' syntax (checked against the model
-    before Ray starts, by :func:`raygym.graph.preflight_engine`)."""
+    before Ray starts, by :func:`raygym.run.graph.preflight_engine`)."""
     from raygym.lora import parse_target_modules
 
     if r.lora_rank < 0:

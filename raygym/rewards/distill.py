@@ -13,7 +13,7 @@ reward's usual advantage (GRPO, ...) is kept with its weight (0 = pure distillat
 the loss mask (environment observations) get advantage 0.
 
 The teacher is :class:`TeacherActor`: the teacher model in a Ray actor on its own GPU(s) (started by
-:mod:`raygym.aux_groups`), computing prompt + response log-probs in one forward pass per batch.
+:mod:`raygym.run.aux_groups`), computing prompt + response log-probs in one forward pass per batch.
 :class:`TeacherScorer` is what the rollout manager calls; anything with the same ``score(samples)``
 coroutine can stand in for it (for example a scorer that asks an SGLang engine for
 ``input_token_logprobs``).

@@ -1,7 +1,7 @@
 """An LLM judge as a reward: prompt template, score parsing, batching, a cache.
 
 The judge's engines are a group of their own in the run's Ray graph (``judge_hf_checkpoint``; started
-by :mod:`raygym.aux_groups` on their own GPUs) serving the same ``/generate`` API as the rollout
+by :mod:`raygym.run.aux_groups` on their own GPUs) serving the same ``/generate`` API as the rollout
 engines. ``rm_type='judge'`` scores every sample with :meth:`JudgeClient.score_samples`.
 
 Per sample the template (``judge_prompt_template``, with ``{prompt}``, ``{response}``, ``{label}``) is

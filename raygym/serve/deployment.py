@@ -321,7 +321,7 @@ def run_server(settings: ServeSettings, api_key: str, *, host: str = "127.0.0.1"
     import ray
     from ray import serve
 
-    from raygym.driver import connect_ray
+    from raygym.run.driver import connect_ray
     from raygym.serve.http import key_digest
 
     settings.check()

@@ -80,7 +80,7 @@ def assert_released(run_dir: Path, actors_before: set[str]) -> None:
 
 
 def test_engine_killed_mid_run_is_restarted_and_resynced(ray_local, tmp_path):
-    from raygym.driver import train
+    from raygym.run.driver import train
 
     killed: list[int] = []
 
@@ -107,7 +107,7 @@ def test_engine_killed_mid_run_is_restarted_and_resynced(ray_local, tmp_path):
 
 def test_trainer_killed_fails_with_clear_error_and_intact_checkpoint(ray_local, tmp_path):
     from raygym.checkpoint.store import latest_checkpoint, load_checkpoint
-    from raygym.driver import train
+    from raygym.run.driver import train
 
     actors_before = {a["ActorID"] for a in alive_actors()}
 
@@ -131,7 +131,7 @@ def test_trainer_killed_fails_with_clear_error_and_intact_checkpoint(ray_local, 
 
 def test_ctrl_c_releases_everything(ray_local, tmp_path):
     from raygym.checkpoint.store import list_checkpoints
-    from raygym.driver import train
+    from raygym.run.driver import train
 
     actors_before = {a["ActorID"] for a in alive_actors()}
 

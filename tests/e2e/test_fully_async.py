@@ -29,7 +29,7 @@ K = 2
 
 
 def test_fully_async_learns_with_bounded_staleness(ray_local, tmp_path):
-    from raygym.driver import train
+    from raygym.run.driver import train
 
     recipe = Recipe(**{**tiny().model_dump(), "fully_async": True, "max_staleness": K, "num_rollout": 40,
                        "save_interval": 1000, "use_tis": True})

@@ -94,7 +94,7 @@ def as_text(view: dict[str, Any]) -> str:
 
 
 def test_first_steps_of_the_tiny_run_match_the_golden_file(ray_local, tmp_path):
-    from raygym.driver import train
+    from raygym.run.driver import train
 
     cfg = load_train_config([*COMMAND, "--output-dir", str(tmp_path / "run")])
     result = train(cfg)

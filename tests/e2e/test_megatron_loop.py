@@ -26,7 +26,7 @@ KL = ["--use-kl-loss", "--kl-loss-coef", "0.05"]
 
 
 def run(out: Path, *flags: str):
-    from raygym.driver import train
+    from raygym.run.driver import train
 
     cfg = load_train_config(["--trainer-backend", "megatron", *SMALL, "--output-dir", str(out), *flags])
     return train(cfg)

@@ -39,7 +39,7 @@ def rows_of(result: Any) -> dict[int, dict[str, Any]]:
 
 def test_ppo_trains_critic_checkpoints_resumes_and_refuses_mixed_steps(ray_local, tmp_path):
     from raygym.checkpoint.store import list_checkpoints
-    from raygym.driver import train
+    from raygym.run.driver import train
 
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
     full = train(ppo_config(a_dir))

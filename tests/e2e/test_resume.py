@@ -42,7 +42,7 @@ def rows_of(result: Any) -> dict[int, dict[str, Any]]:
 
 def test_resume_continues_with_same_metrics(ray_local, tmp_path):
     from raygym.checkpoint.store import latest_checkpoint, load_checkpoint
-    from raygym.driver import train
+    from raygym.run.driver import train
 
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
     full = train(tiny_config(a_dir, rollout_num_gpus=2))

@@ -128,7 +128,7 @@ class EvalAudit:
 def test_three_steps_two_engines(mode, ray_local, tmp_path):
     import ray.cloudpickle
 
-    from raygym.driver import train
+    from raygym.run.driver import train
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the hook travels to the trainers
     audit = EngineAudit(tmp_path)

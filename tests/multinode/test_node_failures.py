@@ -111,7 +111,7 @@ def wait_released(cluster: LocalCluster) -> None:
 
 def test_plan_shows_the_cluster_layout_from_outside_it(nodes_up: LocalCluster) -> None:
     """``raygym plan --cluster <dashboard>`` run here, on no Ray node, lays the run out on the real nodes."""
-    plan = subprocess.run([sys.executable, "-m", "raygym.cli", "plan", *RUN, "--cluster", nodes_up.dashboard_url],
+    plan = subprocess.run([sys.executable, "-m", "raygym.cli.main", "plan", *RUN, "--cluster", nodes_up.dashboard_url],
                           capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert plan.returncode == 0, plan.stderr[-3000:]
     rows = re.findall(r"(\d+\.\d+\.\d+\.\d+)\W+\d+\W+(actor|critic|rollout)", plan.stdout)

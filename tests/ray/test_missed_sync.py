@@ -64,7 +64,7 @@ def kill_a_server_after_the_first_rollout(run_dir: Path) -> Any:
 
 
 def test_an_engine_that_missed_the_sync_gets_no_requests(ray_local, tmp_path):
-    from raygym.driver import train
+    from raygym.run.driver import train
 
     recipe = Recipe(**{**tiny().model_dump(), "rollout_batch_size": 4, "n_samples_per_prompt": 4,
                        "global_batch_size": 16, "num_rollout": 3, "save_interval": 1000, "rollout_num_gpus": 2,

@@ -348,7 +348,7 @@ def fields_read(path: str | Path) -> set[tuple[type, str]]:
     """``(config model or view, field)`` of every field the module at ``path`` (relative to the repository, or
     absolute) reads as an attribute of a typed config or view.
 
-    >>> (ModelConfig, "hf_checkpoint") in fields_read("raygym/driver.py")
+    >>> (ModelConfig, "hf_checkpoint") in fields_read("raygym/run/driver.py")
     True
     """
     full = ROOT / path

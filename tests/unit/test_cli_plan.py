@@ -1,5 +1,5 @@
 """`raygym plan`: resolved config + GPU allocation table, exit code 2 with the ConfigError on bad input.
-The done-when checks run the real command in a subprocess; the rest call raygym.cli.main in process."""
+The done-when checks run the real command in a subprocess; the rest call raygym.cli.main.main in process."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from raygym.config.allocation import compute_allocation
-from raygym.cli import allocation_rows, main
+from raygym.cli.main import allocation_rows, main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from raygym.cli import main
+from raygym.cli.main import main
 from raygym.data.prompts import PromptDataset
 from raygym.data.prepare import PrepareOptions, prepare_dataset
 from raygym.errors import ConfigError

@@ -21,7 +21,7 @@ from raygym.envs.openenv_env import action_field, observation_text
 from raygym.envs.reasoning_gym_tasks import parse_task, reasoning_gym_reward, task_rows
 from raygym.envs.specs import parse_env_spec
 from raygym.errors import ConfigError, RaygymError
-from raygym.preflight import preflight
+from raygym.run.preflight import preflight
 from raygym.rewards.scoring import RewardModel
 from raygym.types import Sample
 

@@ -13,7 +13,7 @@ import pytest
 from raygym.checkpoint.store import save_checkpoint
 from raygym.config import DatasetConfig, ModelConfig, TrainConfig, load_train_config
 from raygym.errors import ConfigError
-from raygym.evaluate import dataset_name, engine_allocation, pass_ks, plan_eval, summarize, take_options
+from raygym.run.evaluate import dataset_name, engine_allocation, pass_ks, plan_eval, summarize, take_options
 from raygym.checkpoint.model_source import resolve_model_source
 from raygym.presets import qwen3_4b, qwen3_30b_a3b, tiny
 from raygym.rewards.scoring import pass_at_k
@@ -136,7 +136,7 @@ def test_the_eval_table_never_cuts_a_number_in_a_narrow_pipe():
 
     from rich.console import Console
 
-    from raygym.evaluate import render_table
+    from raygym.run.evaluate import render_table
 
     rows = [{"dataset": "next-digit-with-a-long-name", "prompts": 64, "reward_mean": 0.123456789,
              "pass@1": 0.0456, "response_len_mean": 7.4375}]

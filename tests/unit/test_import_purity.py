@@ -59,7 +59,7 @@ PROBES: dict[str, tuple[str, tuple[str, ...]]] = {
             "raygym.cluster.placement",
             "raygym.cluster.actor_group",
             "raygym.presets",
-            "raygym.cli",
+            "raygym.cli.main",
             "raygym.engine_api.protocol",
             "raygym.engine_api.kinds",
         ]
@@ -69,7 +69,7 @@ PROBES: dict[str, tuple[str, tuple[str, ...]]] = {
     "raygym.weightsync.in_place": ("import raygym.weightsync.in_place", NO_RAY),
     "public API names": ("from raygym import Recipe, TrainConfig, presets", NO_TORCH_NO_RAY),
     "raygym plan": (
-        "from raygym.cli import main\nassert main(['plan', '--preset', 'qwen3-30b-a3b']) == 0",
+        "from raygym.cli.main import main\nassert main(['plan', '--preset', 'qwen3-30b-a3b']) == 0",
         NO_TORCH_NO_RAY,
     ),
 }

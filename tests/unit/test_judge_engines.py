@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raygym.aux_groups import JUDGE_LABEL_TOKENS, judge_engine_recipe, preflight_judge
+from raygym.run.aux_groups import JUDGE_LABEL_TOKENS, judge_engine_recipe, preflight_judge
 from raygym.builtin import TINY_MODEL, materialize_model
 from raygym.config import Recipe
 from raygym.errors import ConfigError

@@ -9,7 +9,7 @@ import pytest
 
 from raygym.cluster.actor_group import build_rank_envs, merge_user_env, shard_evenly
 from raygym.config.allocation import GpuAllocation, compute_allocation
-from raygym.cli import render_assignments
+from raygym.cli.main import render_assignments
 from raygym.errors import ConfigError, RaygymError
 from raygym.cluster.layout import (
     BundleAssignment,

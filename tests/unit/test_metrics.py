@@ -1,4 +1,4 @@
-"""raygym.metrics: the jsonl log (fresh, resumed), substep timing, traces, progress line and plots."""
+"""raygym.run.metrics: the jsonl log (fresh, resumed), substep timing, traces, progress line and plots."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from raygym.errors import ConfigError
-from raygym.metrics import (
+from raygym.run.metrics import (
     REQUIRED_STEP_KEYS,
     MetricsLogger,
     PhaseTimer,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from raygym.cli import main
+from raygym.cli.main import main
 from raygym.config import ModelConfig, Recipe, TrainConfig
 from raygym.errors import ConfigError
 
@@ -57,7 +57,7 @@ def test_plan_shows_the_trainer_backend(capsys):
 
 
 def test_unloadable_ref_load_is_a_config_error(tmp_path):
-    from raygym.driver import _resolve_reference
+    from raygym.run.driver import _resolve_reference
     from raygym.trainer.backend import TrainerSettings, reference_model_path
 
     empty = tmp_path / "not-a-model"

@@ -11,8 +11,8 @@ import pytest
 
 from raygym import DatasetConfig, ModelConfig, Recipe, TrainConfig
 from raygym.errors import ConfigError
-from raygym.graph import config_error_of, describe_actor_death, plain_text
-from raygym.preflight import check_writable, preflight
+from raygym.run.graph import config_error_of, describe_actor_death, plain_text
+from raygym.run.preflight import check_writable, preflight
 from raygym.presets import get_base_recipe, qwen3_8b, tiny
 
 FIXTURE = str(Path(__file__).parents[1] / "fixtures" / "gsm8k_sample.jsonl")
@@ -60,7 +60,7 @@ def test_no_reward_for_own_data(tmp_path):
 
 
 def test_rewards_the_rollout_task_gives_pass_preflight_and_show_in_the_banner(tmp_path):
-    from raygym.run_display import banner_lines
+    from raygym.run.display import banner_lines
 
     judged = tiny().replace(rm_type="judge", judge_hf_checkpoint="builtin:tiny-qwen3")
     episodes = tiny().replace(rm_type="env", rollout_env="raygym.envs.calculator:CalculatorEnv")

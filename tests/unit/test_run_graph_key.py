@@ -8,7 +8,7 @@ import os
 import pytest
 
 from raygym.engine_api.auth import ENGINE_API_KEY_ENV
-from raygym.graph import end_run
+from raygym.run.graph import end_run
 
 
 @pytest.mark.parametrize("minted", [True, False])

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from raygym.aux_groups import judge_engine_recipe
+from raygym.run.aux_groups import judge_engine_recipe
 from raygym.config import Recipe
 from raygym.engine_api.client import EngineClient
 from raygym.engine_api.protocol import GenerateRequest, GenerateResponse

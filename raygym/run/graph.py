@@ -1,5 +1,5 @@
 """Builds and tears down the Ray graph of one run: placement, trainers, engines, rollout manager and
-weight sync. The loop that drives it lives in :mod:`raygym.driver`.
+weight sync. The loop that drives it lives in :mod:`raygym.run.driver`.
 
 Everything started here is ended here, by handle: actors are killed, the placement group removed,
 server processes terminated by their engine actors.
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from raygym.cluster.actor_group import ActorGroup
-    from raygym.aux_groups import AuxGroups
+    from raygym.run.aux_groups import AuxGroups
     from raygym.engines.fleet import EngineFleet
     from raygym.cluster.placement import Placement
     from raygym.rollout.manager import RolloutManager
@@ -181,7 +181,7 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
     import ray
 
     from raygym.cluster.actor_group import call_all, start_engine_group, start_trainer_group
-    from raygym.aux_groups import aux_manager_kwargs, start_aux_groups
+    from raygym.run.aux_groups import aux_manager_kwargs, start_aux_groups
     from raygym.engine_api.auth import ENGINE_API_KEY_ENV, new_engine_api_key
     from raygym.engines.fleet import EngineFleet
     from raygym.engines.spawn import EngineSpawner

@@ -1,7 +1,7 @@
 """A run from start to end: ``train(TrainConfig) -> TrainResult``.
 
 Checks what can be checked before Ray starts, connects to (or starts) Ray, builds the graph
-(:mod:`raygym.graph`), resumes, runs the loop (:mod:`raygym.loop`: synchronous by default; ``async_mode``
+(:mod:`raygym.run.graph`), resumes, runs the loop (:mod:`raygym.run.loop`: synchronous by default; ``async_mode``
 overlaps the rollout of step k+1 with training on step k), exports the final weights, and releases
 everything it started, also on errors and Ctrl-C.
 
@@ -30,13 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raygym.errors import ConfigError, RaygymError
-from raygym.loop import Loop
-from raygym.metrics import MetricsLogger, apply_substep_timing, loss_note, plot_reward_curve, summary_table
-from raygym.run_display import StepProgress, banner_lines
+from raygym.run.loop import Loop
+from raygym.run.metrics import MetricsLogger, apply_substep_timing, loss_note, plot_reward_curve, summary_table
+from raygym.run.display import StepProgress, banner_lines
 
 if TYPE_CHECKING:
     from raygym.config import TrainConfig
-    from raygym.preflight import RunFacts
+    from raygym.run.preflight import RunFacts
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def connect_ray(total_gpus: int, stack: ExitStack | None = None) -> bool:
 
 
 def _banner(cfg: TrainConfig, facts: RunFacts) -> list[str]:
-    """The start-up banner (:func:`raygym.run_display.banner_lines`) with the resolved trainer backend
+    """The start-up banner (:func:`raygym.run.display.banner_lines`) with the resolved trainer backend
     and engine kind."""
     import torch
 
@@ -170,7 +170,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     of extra metrics, merged into the row.
     """
     started = time.monotonic()
-    from raygym.preflight import preflight
+    from raygym.run.preflight import preflight
 
     console = _console()
     recipe = cfg.recipe
@@ -178,10 +178,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     facts = preflight(cfg)  # data, rewards, model path, writable directories: ConfigError before Ray
     import ray
 
-    from raygym.aux_groups import preflight_judge
+    from raygym.run.aux_groups import preflight_judge
     from raygym.builtin import resolve_model_path
     from raygym.engine_api.kinds import choose_rollout_engine
-    from raygym.graph import (
+    from raygym.run.graph import (
         build_graph,
         config_error_of,
         last_complete_checkpoint,
@@ -215,7 +215,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     progress = None
     try:
         graph = build_graph(cfg, model_path, run_dir, say=console.print)
-        loop = Loop(cfg, graph, console)  # raygym.loop
+        loop = Loop(cfg, graph, console)  # raygym.run.loop
         start = loop.resume()
         with MetricsLogger(run_dir, cfg.metrics, run_id=cfg.run_id, config_dict=cfg.to_json_dict(),
                            resume_from_step=start if recipe.load else None) as metrics, \

@@ -1,5 +1,5 @@
 """The ``raygym`` command: ``train``, ``plan``, ``export``, ``bench``; ``serve``, ``eval``, ``report``
-(in :mod:`raygym.cli_after_training`).
+(in :mod:`raygym.cli.after_training`).
 
 Every train/plan flag is generated from the config models (``raygym plan --help`` lists them).
 ``plan`` imports neither torch nor ray unless ``--cluster`` asks for a live cluster. Bad input
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from raygym.config.allocation import GpuAllocation
-from raygym.cli_after_training import eval_command, report_command, serve_command
-from raygym.cli_help import cli_help
+from raygym.cli.after_training import eval_command, report_command, serve_command
+from raygym.cli.help import cli_help
 from raygym.config import Recipe, TrainConfig, load_train_config, megatron_installed
 from raygym.errors import ConfigError, RaygymError
 
@@ -216,7 +216,7 @@ def train(ctx: click.Context) -> None:
         click.echo(cli_help("raygym train"))
         return
     cfg = load_train_config(args)
-    from raygym.driver import train as run_training
+    from raygym.run.driver import train as run_training
 
     result = run_training(cfg)
     for line in result_lines(result):
@@ -226,7 +226,7 @@ def train(ctx: click.Context) -> None:
 def result_lines(result: object) -> list[str]:
     """What ``raygym train`` prints at the end: run dir, metrics (which steps, how many rows), the last
     checkpoint and the HF export."""
-    from raygym.driver import TrainResult
+    from raygym.run.driver import TrainResult
 
     assert isinstance(result, TrainResult)
     metrics = Path(result.metrics_path)
@@ -281,7 +281,7 @@ def bench(ctx: click.Context, name: str) -> None:
     """Run benchmarks/NAME.py (JSON lines on stdout)."""
     candidates = [
         Path.cwd() / "benchmarks" / f"{name}.py",
-        Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py",
+        Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py",
     ]
     script = next((p for p in candidates if p.is_file()), None)
     if script is None:
@@ -293,8 +293,8 @@ app.add_command(serve_command)
 app.add_command(eval_command)
 app.add_command(report_command)
 
-# ``raygym data prepare`` (raygym/cli_data.py)
-from raygym.cli_data import data as _data_group  # noqa: E402
+# ``raygym data prepare`` (raygym/cli/data.py)
+from raygym.cli.data import data as _data_group  # noqa: E402
 
 app.add_command(_data_group)
 

@@ -1,6 +1,6 @@
 """The commands for after training: ``raygym serve``, ``raygym eval`` and ``raygym report``.
 
-Imported by :mod:`raygym.cli`; light at import (torch, ray and the web stack load inside the commands).
+Imported by :mod:`raygym.cli.main`; light at import (torch, ray and the web stack load inside the commands).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def run_eval_command(checkpoint: str, flags: Sequence[str]) -> None:
     """``raygym eval``: plan, run, print the table and where the outputs are."""
     from rich.console import Console
 
-    from raygym.evaluate import plan_eval, render_table, run_eval
+    from raygym.run.evaluate import plan_eval, render_table, run_eval
 
     console = Console(highlight=False, soft_wrap=True)
     plan = plan_eval(checkpoint, flags)

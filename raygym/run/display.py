@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from raygym.metrics import format_duration, progress_line
+from raygym.run.metrics import format_duration, progress_line
 
 if TYPE_CHECKING:
     from raygym.config import TrainConfig
-    from raygym.preflight import RunFacts
+    from raygym.run.preflight import RunFacts
 
 
 def _plural(n: int, word: str) -> str:
@@ -36,7 +36,7 @@ def reward_text(functions: list[Any]) -> list[str]:
 
 def banner_lines(cfg: TrainConfig, facts: RunFacts, *, trainer_backend: str, engine_kind: str, logical_gpus: bool) -> list[str]:
     """The start-up banner: run, model, data (with its row count), reward, algorithm and steps,
-    trainer, engines and GPUs. ``facts`` is what :func:`raygym.preflight.preflight` found."""
+    trainer, engines and GPUs. ``facts`` is what :func:`raygym.run.preflight.preflight` found."""
     recipe = cfg.recipe
     alloc = recipe.gpu_allocation()
     data = facts.data

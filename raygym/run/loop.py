@@ -1,4 +1,4 @@
-"""The training loop over a built :class:`raygym.graph.RunGraph`, written as the algorithm reads.
+"""The training loop over a built :class:`raygym.run.graph.RunGraph`, written as the algorithm reads.
 
 Per step: rollout -> [colocate: engines release memory, trainers onload] -> log-probs -> advantages ->
 train -> save every ``save_interval`` -> [colocate: trainers offload, engines resume their weights] ->
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 from raygym.config import Recipe, TrainConfig
 from raygym.engine_api.protocol import Endpoint
-from raygym.metrics import MetricsLogger, PhaseTimer, apply_substep_timing, progress_line, write_traces
+from raygym.run.metrics import MetricsLogger, PhaseTimer, apply_substep_timing, progress_line, write_traces
 from raygym.rollout.stream import staleness_metrics
 
 if TYPE_CHECKING:
-    from raygym.graph import RunGraph
+    from raygym.run.graph import RunGraph
 
 
 def _should(interval: int | None, step: int, last_step: int) -> bool:
@@ -194,7 +194,7 @@ class Loop:
         self.rows: list[dict[str, Any]] = []
         self.events: list[str] = []
         self.colocation = Colocation(self.recipe.colocate, graph, self.events)
-        self.progress: Any = None  # raygym.run_display.StepProgress; None prints plain step lines
+        self.progress: Any = None  # raygym.run.display.StepProgress; None prints plain step lines
 
     def trainers(self, method: str, *args: Any) -> list[Any]:
         return call_ranks((self.graph.trainers,), method, *args)

@@ -285,7 +285,7 @@ def _start_engines(cfg: TrainConfig, model_path: str, log_dir: str, say: Callabl
 
     from raygym.cluster.actor_group import start_engine_group
     from raygym.engine_api.kinds import choose_rollout_engine
-    from raygym.graph import ENGINE_START_TIMEOUT_S
+    from raygym.run.graph import ENGINE_START_TIMEOUT_S
     from raygym.cluster.placement import allocate
     from raygym.engines.actor import EngineActor
 
@@ -338,7 +338,7 @@ def run_eval(plan: EvalPlan, say: Callable[[str], None] = print) -> EvalResult:
     import ray
 
     from raygym.callables import load_callable
-    from raygym.driver import connect_ray
+    from raygym.run.driver import connect_ray
 
     cfg = plan.cfg
     out = Path(plan.output_dir)
