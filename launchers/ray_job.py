@@ -69,7 +69,7 @@ TERMINAL_STATUSES = {"SUCCEEDED", "FAILED", "STOPPED"}
 def resolve_recipe(train_args: Sequence[str]) -> Any:
     """The :class:`raygym.Recipe` a train command line describes (preset, TOML files, flags).
 
-    Parsed exactly as the job will parse it (``raygym.config.load_train_config``), so a bad flag fails here,
+    Parsed exactly as the job will parse it (``raygym.run.config_loading.load_train_config``), so a bad flag fails here,
     before anything is submitted.
     """
     return resolve_config(train_args).recipe
@@ -77,7 +77,7 @@ def resolve_recipe(train_args: Sequence[str]) -> Any:
 
 def resolve_config(train_args: Sequence[str]) -> Any:
     """The :class:`raygym.TrainConfig` a train command line describes, parsed as the job will parse it."""
-    from raygym.config import load_train_config
+    from raygym.run.config_loading import load_train_config
 
     return load_train_config(list(train_args))
 

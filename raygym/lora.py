@@ -38,6 +38,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_DIR = "adapter"  # where a checkpoint keeps its adapter (``iter_N/adapter/``)
 ADAPTER_NAME = "raygym-policy"  # the name engines serve the run's adapter under (a request's ``lora_path``)
+PEFT_VERSION = "0.21.2"  # the peft release raygym's LoRA is tested with (the ``lora`` extra pins it)
 OUTPUT_HEADS = ("lm_head",)  # never targeted by all-linear (PEFT's rule: the output layer stays as it is)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 _TENSOR = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
@@ -233,3 +234,13 @@ def read_adapter(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], dic
     config = json.loads((path / ADAPTER_CONFIG).read_text())
     tensors = {name.removeprefix(PEFT_PREFIX): t for name, t in load_file(str(path / ADAPTER_WEIGHTS)).items()}
     return config, tensors
+
+
+def import_peft() -> Any:
+    """The ``peft`` package, or a ConfigError naming the extra that installs it."""
+    try:
+        import peft
+    except ImportError as exc:
+        raise ConfigError(f"lora_rank > 0 needs the peft package ({exc}); pip install 'raygym[lora]' "
+                          f"(peft=={PEFT_VERSION}) where the trainers run, or set --lora-rank 0") from exc
+    return peft

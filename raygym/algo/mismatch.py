@@ -17,12 +17,8 @@ Logged per step as ``rollout/logprob_mismatch_mean`` and ``rollout/logprob_misma
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from raygym.trainer.batch import TrainBatch
 
 MEAN, MAX = "rollout/logprob_mismatch_mean", "rollout/logprob_mismatch_max"
 
@@ -103,13 +99,3 @@ class MismatchTally:
                 out[f"{MEAN}/staleness_{k}"] = total / count
                 out[f"{MAX}/staleness_{k}"] = peak
         return out
-
-
-def batch_mismatch(batch: TrainBatch) -> dict[str, float]:
-    """The metrics of a ``TrainBatch`` that carries both rollout and old log-probs (else ``{}``); split by
-    token age when the batch carries ``token_ages``."""
-    if batch.rollout_log_probs is None or batch.old_log_probs is None:
-        return {}
-    tally = MismatchTally(batch.age_buckets if batch.token_ages is not None else 0)
-    tally.add_rows(batch.rollout_log_probs, batch.old_log_probs, batch.loss_masks, batch.token_ages)
-    return tally.metrics()

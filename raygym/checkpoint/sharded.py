@@ -22,7 +22,7 @@ The rank-0 gather-and-pickle format (``raygym-checkpoint/1``, ``raygym.checkpoin
 loads. The directory must be shared by all ranks (a shared filesystem or an object store URL).
 
 >>> import torch
->>> from raygym.trainer.contract import CheckpointState
+>>> from raygym.checkpoint.state import CheckpointState
 >>> url = save_sharded("memory://sharded-doc", 4, CheckpointState(model={"w": torch.ones(2)}), rank=0, world_size=1)
 >>> template = CheckpointState(model={"w": torch.zeros(2)})
 >>> load_sharded(url, template, rank=0, world_size=1).model["w"].tolist()
@@ -55,7 +55,7 @@ from raygym.checkpoint.files import (
     write_extra_and_hf_files,
 )
 from raygym.errors import ConfigError
-from raygym.trainer.contract import CheckpointState
+from raygym.checkpoint.state import CheckpointState
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def fill_from_full(template: Any, full: Any, on_missing: Callable[[str], None] |
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from raygym.trainer.tensor_shard import TensorShard
+    from raygym.checkpoint.tensor_shard import TensorShard
 
     if isinstance(template, dict):
         for key, value in template.items():

@@ -382,8 +382,6 @@ def adapter_base(adapter_dir: str, base: str | None = None) -> str:
 def export_merged(checkpoint_dir: str, out_dir: str, base: str | None = None) -> str:
     """Export a LoRA run's checkpoint as a whole HF model: the adapter folded into its base model's weights
     (``base``: the base model directory; default: the one the adapter names)."""
-    from raygym.trainer.lora import merge_into_base
-
     path, _ = checkpoint_to_export(checkpoint_dir)
     adapter = checkpoint_adapter(path)
     if adapter is None:
@@ -397,3 +395,16 @@ def export_merged(checkpoint_dir: str, out_dir: str, base: str | None = None) ->
             for name, data in _read_dir(join_url(path, "hf")).items():
                 Path(src, name).write_bytes(data)
             return write_hf_model(state, src, out_dir)
+
+
+def merge_into_base(base_path: str, adapter_dir: str) -> dict[str, torch.Tensor]:
+    """The HF state dict of ``base_path``'s model with the adapter of ``adapter_dir`` folded into its weights
+    (W + B A * alpha / r), fp32."""
+    from raygym.lora import import_peft
+
+    peft = import_peft()
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    merged = peft.PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    return {k: v.detach() for k, v in merged.state_dict().items()}

@@ -24,7 +24,8 @@ import click
 from raygym.config.allocation import GpuAllocation
 from raygym.cli.after_training import eval_command, report_command, serve_command
 from raygym.cli.help import cli_help
-from raygym.config import Recipe, TrainConfig, load_train_config, megatron_installed
+from raygym.config import Recipe, TrainConfig, megatron_installed
+from raygym.run.config_loading import load_train_config
 from raygym.errors import ConfigError, RaygymError
 
 if TYPE_CHECKING:

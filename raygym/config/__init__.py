@@ -15,17 +15,17 @@ Pure: imports neither torch nor ray, so validation and ``raygym plan`` run anywh
 True
 
 A command line as users type it (``--preset``, ``@ run.toml``, the tiny preset without a model) is read by
-:func:`load_train_config`; the config classes themselves know no preset.
+:func:`raygym.run.config_loading.load_train_config` (above both this package and :mod:`raygym.presets`); the
+config classes themselves know no preset.
 """
 
 from __future__ import annotations
 
-from raygym.config.allocation import GpuAllocation
 from raygym.callables import callable_import_path, load_callable
+from raygym.config.allocation import GpuAllocation
 from raygym.config.base import CustomFunction, MiB, megatron_installed
 from raygym.config.constants import CUSTOM_FUNCTION_FIELDS, RM_TYPES, TASK_RM_TYPES
 from raygym.config.flags import FLAGS, build_arg_parser, format_cli_help
-from raygym.config.loader import load_toml, load_train_config
 from raygym.config.recipe import Recipe
 from raygym.config.run import DatasetConfig, MetricsConfig, ModelConfig, TrainConfig, new_run_id
 from raygym.errors import ConfigError
@@ -48,8 +48,6 @@ __all__ = [
     "callable_import_path",
     "format_cli_help",
     "load_callable",
-    "load_toml",
-    "load_train_config",
     "megatron_installed",
     "new_run_id",
 ]

@@ -179,7 +179,7 @@ _FLAG_BY_DEST = {f"{spec.section}.{spec.field}": spec for spec in FLAGS}
 
 def parse_flags(args: list[str]) -> tuple[str | None, dict[str, dict[str, Any]]]:
     """``--preset``'s value (None without one) and ``{section: {field: value}}`` of the flags ``args``
-    (flags only: :mod:`raygym.config.loader` takes ``@ run.toml`` includes out first). ConfigError for an
+    (flags only: :mod:`raygym.run.config_loading` takes ``@ run.toml`` includes out first). ConfigError for an
     unknown flag or a bad value.
 
     >>> preset, sections = parse_flags(["--lr", "2e-6", "--no-colocate", "--run-id", "r1"])

@@ -122,14 +122,14 @@ class TrainConfig(RunLocation):
         ``TrainConfig.from_cli_args(cfg.cli_args()) == cfg``. Bad input raises ConfigError.
 
         A command line as users type it (``--preset``, ``@ run.toml``, the tiny preset when no model is given)
-        is read by :func:`raygym.config.loader.load_train_config`, as ``raygym train`` does.
+        is read by :func:`raygym.run.config_loading.load_train_config`, as ``raygym train`` does.
         """
         preset, sections = parse_flags(list(args))
         if preset is not None or "hf_checkpoint" not in sections["model"]:
             given = f"--preset {preset}" if preset is not None else "no --hf-checkpoint"
             raise ConfigError(
                 f"{given}: TrainConfig.from_cli_args reads the flags cli_args() writes and applies no preset; "
-                "pass --hf-checkpoint, or read the command line with raygym.config.load_train_config (presets, "
+                "pass --hf-checkpoint, or read the command line with raygym.run.config_loading.load_train_config (presets, "
                 "TOML files, the tiny preset when no model is given), as `raygym train` does"
             )
         return cls.from_sections(sections)

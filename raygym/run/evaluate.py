@@ -131,7 +131,8 @@ def plan_eval(checkpoint: str, args: Sequence[str], *, cache_dir: str | None = N
 
     Raises :class:`ConfigError` for a bad checkpoint, bad flags, or no eval data.
     """
-    from raygym.config import TrainConfig, load_train_config
+    from raygym.config import TrainConfig
+    from raygym.run.config_loading import load_train_config
     from raygym.data.prompts import eval_dataset_urls
 
     flags, own = take_options(args)

@@ -229,7 +229,7 @@ class Loop:
         """Old log-probs (and PPO's values), advantages and the optimizer steps of one rollout."""
         import ray
 
-        from raygym.algo.mismatch import batch_mismatch
+        from raygym.trainer.batch import batch_mismatch
         from raygym.trainer.actor import PackedBatch
         from raygym.trainer.batch import TrainBatch
 

@@ -4,7 +4,7 @@ functions, the model path, and that the run and checkpoint directories can be wr
 Each problem is a :class:`ConfigError` naming the field, the value and the fix; ``raygym train``
 prints it and exits with code 2. No torch, no ray.
 
->>> from raygym.config import load_train_config
+>>> from raygym.run.config_loading import load_train_config
 >>> facts = preflight(load_train_config(["--output-dir", __import__("tempfile").mkdtemp()]))
 >>> facts.data.rows, [f.name for f in facts.rewards]
 (1024, ['next_digit'])

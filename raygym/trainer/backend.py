@@ -52,7 +52,8 @@ from raygym.config.base import CustomFunction
 from raygym.config.recipe import Recipe
 from raygym.config.views import build_view, recipe_view
 from raygym.errors import ConfigError
-from raygym.trainer.contract import CheckpointState, LogProbResult
+from raygym.checkpoint.state import CheckpointState
+from raygym.trainer.contract import LogProbResult
 
 if TYPE_CHECKING:
     from raygym.config.run import TrainConfig

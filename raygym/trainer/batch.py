@@ -22,6 +22,7 @@ import torch
 
 from raygym.algo.advantages import compute_advantages
 from raygym.algo.batching import balance_across_ranks, contiguous_shard
+from raygym.algo.mismatch import MismatchTally
 
 PER_SAMPLE_TENSOR_FIELDS = (
     "advantages",
@@ -159,3 +160,13 @@ class TrainBatch:
             lambd=lambd,
         )
         return replace(self, advantages=out.advantages, returns=out.returns)
+
+
+def batch_mismatch(batch: TrainBatch) -> dict[str, float]:
+    """The metrics of a ``TrainBatch`` that carries both rollout and old log-probs (else ``{}``); split by
+    token age when the batch carries ``token_ages``."""
+    if batch.rollout_log_probs is None or batch.old_log_probs is None:
+        return {}
+    tally = MismatchTally(batch.age_buckets if batch.token_ages is not None else 0)
+    tally.add_rows(batch.rollout_log_probs, batch.old_log_probs, batch.loss_masks, batch.token_ages)
+    return tally.metrics()

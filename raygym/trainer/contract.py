@@ -1,6 +1,6 @@
 """The records that cross the trainer-backend boundary, typed: what ``compute_log_probs`` returns
-(:class:`LogProbResult`), what a checkpoint holds of one rank (:class:`CheckpointState`) and the
-metrics of a train step (:data:`TrainMetrics`). Both backends (torch and Megatron) return exactly these.
+(:class:`LogProbResult`) and the metrics of a train step (:data:`TrainMetrics`); what a checkpoint holds of one
+rank is :class:`raygym.checkpoint.state.CheckpointState`. Both backends (torch and Megatron) return exactly these.
 
 >>> import torch
 >>> result = LogProbResult(log_probs=[torch.zeros(2)])
@@ -11,7 +11,7 @@ metrics of a train step (:data:`TrainMetrics`). Both backends (torch and Megatro
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, TypedDict
 
 import torch
@@ -47,29 +47,6 @@ class LogProbResult(Mapping[str, list[torch.Tensor]]):
 
     def __len__(self) -> int:
         return len(self._present())
-
-
-@dataclass
-class CheckpointState:
-    """One rank's share of a checkpoint, in the layout both backends share: HF tensor names and HF shapes,
-    each tensor this rank's block of it (a DTensor under FSDP2, a ``TensorShard`` on Megatron, a plain
-    tensor when the rank holds all of it). ``raygym.checkpoint.sharded`` saves it with
-    ``torch.distributed.checkpoint`` (each rank writes its own blocks) and loads into it in place.
-
-    ``model``: HF name -> weights in fp32 (the master copy where there is one).
-    ``optimizer``: ``{"state": {HF name: {"step", "exp_avg", "exp_avg_sq", ...}}, ...}`` (Adam moments in the
-    parameter's HF shape), or None when not saved/loaded.
-    ``schedule``: the LR-schedule position (``{"step": optimizer steps taken}``).
-    ``rng``: this rank's RNG states (``raygym.checkpoint.store.capture_rng_state``).
-    ``files``: files rank 0 writes into the checkpoint directory beside the weights (relative path -> bytes),
-    e.g. a LoRA run's adapter in PEFT's format under ``adapter/``; empty elsewhere.
-    """
-
-    model: dict[str, Any]
-    optimizer: dict[str, Any] | None = None
-    schedule: dict[str, int] = field(default_factory=dict)
-    rng: dict[str, Any] = field(default_factory=dict)
-    files: dict[str, bytes] = field(default_factory=dict)
 
 
 # Keys every policy train step reports (prefix "train/"); dual_clipfrac, kl_loss and tis_* are added

@@ -7,7 +7,6 @@ model plus trainable adapters on the modules :class:`raygym.lora.LoraSpec` targe
   :mod:`raygym.lora` (``<module path>.lora_A.weight``); peft's in-memory names carry its wrapper's prefix
   and the adapter's name (``base_model.model.<module path>.lora_A.default.weight``):
   :func:`exported_name` / :func:`in_memory_name` convert.
-- :func:`merge_into_base` folds an adapter into its base model (``raygym export --merged``).
 
 >>> exported_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight")
 'model.layers.0.self_attn.q_proj.lora_A.weight'
@@ -24,26 +23,14 @@ from typing import Any
 import torch
 
 from raygym.errors import ConfigError
-from raygym.lora import PEFT_PREFIX, LoraSpec, linear_modules, resolve_targets
+from raygym.lora import PEFT_PREFIX, LoraSpec, import_peft, linear_modules, resolve_targets
 
 PEFT_ADAPTER = "default"  # the name peft gives the one adapter it wraps a model with
-PEFT_VERSION = "0.21.2"  # the peft release raygym's LoRA is tested with (the ``lora`` extra pins it)
-
-
-def _peft() -> Any:
-    try:
-        import peft
-    except ImportError as exc:
-        raise ConfigError(f"lora_rank > 0 needs the peft package ({exc}); pip install 'raygym[lora]' "
-                          f"(peft=={PEFT_VERSION}) where the trainers run, or set --lora-rank 0") from exc
-    return peft
-
-
 def wrap_with_adapters(model: torch.nn.Module, spec: LoraSpec) -> tuple[torch.nn.Module, list[str]]:
     """``model`` with trainable LoRA adapters on the linear modules ``spec`` targets (every other weight frozen)
     and those modules' paths. Adapters start as peft initialises them: A random (the torch seed), B zero, so
     the wrapped model computes exactly what the base does."""
-    peft = _peft()
+    peft = import_peft()
     targets = resolve_targets(spec, linear_modules(model))
     config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets,
                              bias="none")
@@ -88,14 +75,3 @@ def rename_keys(state: dict[str, Any], rename: Any) -> dict[str, Any]:
         groups = [{**g, "params": [rename(p) for p in g["params"]]} for g in state["param_groups"]]
         return {"state": {rename(k): v for k, v in state["state"].items()}, "param_groups": groups}
     return {rename(k): v for k, v in state.items()}
-
-
-def merge_into_base(base_path: str, adapter_dir: str) -> dict[str, torch.Tensor]:
-    """The HF state dict of ``base_path``'s model with the adapter of ``adapter_dir`` folded into its weights
-    (W + B A * alpha / r), fp32."""
-    peft = _peft()
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    merged = peft.PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
-    return {k: v.detach() for k, v in merged.state_dict().items()}

@@ -42,7 +42,8 @@ from raygym.trainer.backend import (
     check_policy_batch,
     reference_model_path,
 )
-from raygym.trainer.contract import CheckpointState, LogProbResult, advantage_stats, step_metrics_summary
+from raygym.checkpoint.state import CheckpointState
+from raygym.trainer.contract import LogProbResult, advantage_stats, step_metrics_summary
 from raygym.trainer.megatron_lockstep import lockstep_plan
 from raygym.trainer.megatron_model import (
     MegatronOptions,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 
-from raygym.trainer.contract import CheckpointState
+from raygym.checkpoint.state import CheckpointState
 
 if TYPE_CHECKING:
     from raygym.lora import LoraSpec

@@ -308,7 +308,7 @@ def megatron_to_hf(pm: ParamMap, shards: Sequence[torch.Tensor], shape: ModelSha
 @dataclass(frozen=True)
 class HfBlock:
     """Where one block of a Megatron rank's parameter lies inside an HF tensor: ``sizes`` at ``offsets`` of
-    a tensor of ``global_shape`` (what a sharded checkpoint stores; see ``raygym.trainer.tensor_shard``)."""
+    a tensor of ``global_shape`` (what a sharded checkpoint stores; see ``raygym.checkpoint.tensor_shard``)."""
 
     hf_name: str
     offsets: tuple[int, ...]

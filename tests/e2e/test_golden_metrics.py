@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from raygym.config import load_train_config
+from raygym.run.config_loading import load_train_config
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

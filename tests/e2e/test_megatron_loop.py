@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from raygym.checkpoint.store import latest_checkpoint, list_checkpoints, load_checkpoint
-from raygym.config import load_train_config, megatron_installed
+from raygym.config import megatron_installed
+from raygym.run.config_loading import load_train_config
 
 pytestmark = [
     pytest.mark.e2e,

@@ -46,7 +46,8 @@ def check(backend: str, kind: str, model_dir: str, out: Path) -> dict:
     from raygym.checkpoint.store import export_hf, load_checkpoint
     from raygym.config import ModelConfig, TrainConfig
     from raygym.trainer import TrainerActor, TrainerSettings
-    from raygym.trainer.contract import CheckpointState, LogProbResult
+    from raygym.checkpoint.state import CheckpointState
+    from raygym.trainer.contract import LogProbResult
 
     rank = int(os.environ["RANK"])
     work = out / f"{backend}_{kind}"

@@ -12,7 +12,7 @@ import pytest
 
 from raygym import TrainConfig
 from raygym.builtin import build_tokenizer
-from raygym.config import load_train_config
+from raygym.run.config_loading import load_train_config
 from raygym.data.prepare import PrepareOptions, prepare_dataset
 from raygym.engine_api.protocol import GenerateResponse
 from raygym.envs import Environment, EpisodeRunner, Step

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from raygym.checkpoint.store import save_checkpoint
-from raygym.config import DatasetConfig, ModelConfig, TrainConfig, load_train_config
+from raygym.config import DatasetConfig, ModelConfig, TrainConfig
+from raygym.run.config_loading import load_train_config
 from raygym.errors import ConfigError
 from raygym.run.evaluate import dataset_name, engine_allocation, pass_ks, plan_eval, summarize, take_options
 from raygym.checkpoint.model_source import resolve_model_source

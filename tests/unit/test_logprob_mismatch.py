@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from raygym.algo.mismatch import MAX, MEAN, MismatchTally, batch_mismatch
+from raygym.algo.mismatch import MAX, MEAN, MismatchTally
+from raygym.trainer.batch import batch_mismatch
 from raygym.trainer.batch import TrainBatch
 from raygym.types import Sample
 

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from raygym.config import Recipe, TrainConfig, load_train_config
+from raygym.config import Recipe, TrainConfig
+
+from raygym.run.config_loading import load_train_config
 from raygym.errors import ConfigError
 from raygym.lora import (
     LoraSpec,

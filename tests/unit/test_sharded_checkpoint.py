@@ -10,8 +10,8 @@ import torch
 
 from raygym.checkpoint.store import capture_rng_state, latest_checkpoint, load_checkpoint
 from raygym.checkpoint.sharded import FORMAT_SHARDED, fill_from_full, load_sharded, save_sharded
-from raygym.trainer.contract import CheckpointState
-from raygym.trainer.tensor_shard import TensorShard
+from raygym.checkpoint.state import CheckpointState
+from raygym.checkpoint.tensor_shard import TensorShard
 
 
 @pytest.fixture(params=["local", "memory"])

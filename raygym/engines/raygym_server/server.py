@@ -235,8 +235,9 @@ class InferenceServer:
         except (EngineUnavailable, asyncio.TimeoutError):
             self.engine.abort(req.rid)
             return web.Response(status=503)
-        ok = (req.finish_reason or {}).get("type") != "abort"
-        return web.Response(status=200 if ok else 503)
+        # A probe a pause aborted was still answered by the scheduler: healthy, as SGLang counts any answer.
+        healthy = (req.finish_reason or {}).get("type") != "abort" or not self.engine.released
+        return web.Response(status=200 if healthy else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
         config = self.engine.model.config

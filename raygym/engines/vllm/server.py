@@ -225,7 +225,9 @@ class VllmAdapter:
             answer = await asyncio.wait_for(last(self._updates(job, None, False)), HEALTH_GENERATE_TIMEOUT_S)
         except (asyncio.TimeoutError, RuntimeError):
             return web.Response(status=503)
-        return web.Response(status=200 if answer.finish_type != "abort" else 503)
+        # A probe a pause aborted was still answered by the scheduler: healthy, as SGLang counts any answer.
+        healthy = answer.finish_type != "abort" or not (self.released or await self.llm.is_sleeping())
+        return web.Response(status=200 if healthy else 503)
 
     async def model_info(self, request: web.Request) -> web.Response:
         import vllm
