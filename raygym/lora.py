@@ -163,7 +163,7 @@ def model_targets(model_path: str, spec: LoraSpec) -> list[str]:
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     return resolve_targets(spec, linear_modules(model))
 
 
