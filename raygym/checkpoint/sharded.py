@@ -54,8 +54,8 @@ from raygym.checkpoint.files import (
     write_bytes_atomic,
     write_extra_and_hf_files,
 )
-from raygym.errors import ConfigError
 from raygym.checkpoint.state import CheckpointState
+from raygym.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from raygym.config.allocation import GpuAllocation
 from raygym.cli.after_training import eval_command, report_command, serve_command
 from raygym.cli.help import cli_help
 from raygym.config import Recipe, TrainConfig, megatron_installed
-from raygym.run.config_loading import load_train_config
+from raygym.config.allocation import GpuAllocation
 from raygym.errors import ConfigError, RaygymError
+from raygym.run.config_loading import load_train_config
 
 if TYPE_CHECKING:
     from raygym.cluster.layout import BundleAssignment
@@ -144,6 +144,7 @@ def _print_plan(cfg: TrainConfig, cluster: str | None = None) -> None:
         _note(f"no NVIDIA GPU here: `raygym train` on this machine starts Ray with {alloc.total_gpus} logical "
               "GPUs, so placement behaves as on GPU nodes while the work runs on the CPU")
     console.print(cfg.recipe.trainer_backend_summary(megatron_installed=megatron_installed()), markup=False)
+    console.print(f"schedule: {cfg.recipe.schedule.describe()}", markup=False)
     r = cfg.recipe
     if r.trainer_backend == "megatron" or r.tensor_model_parallel_size * r.expert_model_parallel_size * \
             r.pipeline_model_parallel_size * r.context_parallel_size > 1:  # which ranks form which Megatron groups

@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from raygym.errors import ConfigError, RaygymError
 from raygym.cluster.placement import BundleRecord, Placement
+from raygym.errors import ConfigError, RaygymError
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,6 @@ import os
 import time
 from typing import Any
 
-from raygym.config.allocation import GpuAllocation
-from raygym.config import Recipe
-from raygym.errors import ConfigError, RaygymError
 from raygym.cluster.layout import (
     BundleAssignment,
     BundleRecord,
@@ -28,6 +25,9 @@ from raygym.cluster.layout import (
     slot_sort_key,
     validate_shares,
 )
+from raygym.config import Recipe
+from raygym.config.allocation import GpuAllocation
+from raygym.errors import ConfigError, RaygymError
 
 logger = logging.getLogger(__name__)
 

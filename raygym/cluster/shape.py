@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raygym.config import Recipe
 from raygym.cluster.layout import NodeInfo, layout
+from raygym.config import Recipe
 
 HEAD_HOST = 10  # the harness's and the examples' head address: <subnet>.10, workers .11, .12, ...
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from raygym.callables import callable_import_path
 from raygym.config.constants import RECIPE_CHOICES
 from raygym.config.recipe_fields import RecipeFields
+from raygym.config.schedule import SCHEDULE_NAMES
 from raygym.config.sections import DatasetConfig, MetricsConfig, ModelConfig, RunLocation
 from raygym.errors import ConfigError
 
@@ -143,6 +144,11 @@ def build_arg_parser(prog: str = "raygym train") -> argparse.ArgumentParser:
     parser.add_argument(
         "--preset", dest="__preset", metavar="NAME", help="Base recipe (see raygym.presets.PRESETS)."
     )
+    parser.add_argument(
+        "--schedule", dest="__schedule", metavar="NAME", choices=SCHEDULE_NAMES,
+        help="How generation and training interleave: 'sync' (default), 'one_step_off' (= --async-mode) or "
+             "'fully_async' (= --fully-async; see --max-staleness, --stale-sample-policy).",
+    )
     titles = {"recipe": "recipe", "model": "model", "dataset": "dataset", "metrics": "metrics", "run": "run"}
     for section in SECTIONS:
         group = parser.add_argument_group(titles[section])
@@ -191,6 +197,8 @@ def parse_flags(args: list[str]) -> tuple[str | None, dict[str, dict[str, Any]]]
     parsed = {dest: "--" if raw == _DOUBLE_DASH else raw for dest, raw in parsed.items()}
     preset: str | None = parsed.pop("__preset", None)
     sections: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    if "__schedule" in parsed:  # a spelling of the recipe's mode fields (raygym.config.schedule)
+        sections["recipe"]["schedule"] = parsed.pop("__schedule")
     for dest, raw in parsed.items():
         spec = _FLAG_BY_DEST[dest]
         sections[spec.section][spec.field] = decode_value(spec, raw) if isinstance(raw, str) else raw

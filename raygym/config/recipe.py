@@ -9,6 +9,8 @@ plus raygym's own fields (listed in ``docs/internals.md``); the fields are decla
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import model_validator
 
 from raygym.callables import callable_identity
@@ -16,6 +18,7 @@ from raygym.config import recipe_checks
 from raygym.config.constants import CUSTOM_FUNCTION_FIELDS
 from raygym.config.flags import encode_section
 from raygym.config.recipe_fields import RecipeFields
+from raygym.config.schedule import Schedule, schedule_fields, schedule_of
 from raygym.config.sections import ModelConfig
 
 
@@ -30,10 +33,31 @@ class Recipe(RecipeFields):
     2
     """
 
+    @model_validator(mode="before")
+    @classmethod
+    def _spell_schedule(cls, data: Any) -> Any:
+        """``schedule=`` (a name or a :data:`~raygym.config.schedule.Schedule`) is a spelling of the flat fields."""
+        if isinstance(data, dict) and "schedule" in data:
+            data = dict(data)
+            data.update(schedule_fields(data.pop("schedule"), data))
+        return data
+
     @model_validator(mode="after")
     def _validate(self) -> Recipe:
         recipe_checks.validate_recipe(self)
         return self
+
+    @property
+    def schedule(self) -> Schedule:
+        """How generation and training interleave, typed (:mod:`raygym.config.schedule`).
+
+        >>> Recipe(colocate=False, schedule="fully_async").schedule
+        FullyAsync(max_staleness=2, stale_sample_policy='regenerate')
+        >>> Recipe(colocate=False, async_mode=True).schedule.name
+        'one_step_off'
+        """
+        return schedule_of(async_mode=self.async_mode, fully_async=self.fully_async,
+                           max_staleness=self.max_staleness, stale_sample_policy=self.stale_sample_policy)
 
     def model_parallel_requests(self) -> list[str]:
         """``field=value`` of every model-parallel setting asked for (sizes > 1, ``sequence_parallel``): only

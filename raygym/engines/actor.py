@@ -36,10 +36,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from raygym.config import Recipe
+from raygym.engine_api.auth import ENGINE_API_KEY_ENV, engine_api_key
 from raygym.engine_api.client import EngineClient, EngineConnectionError, LoopThread
 from raygym.engine_api.protocol import ROUTES, Endpoint, GenerateRequest, GenerateResponse
-from raygym.errors import ConfigError, RaygymError
-from raygym.engine_api.auth import ENGINE_API_KEY_ENV, engine_api_key
 from raygym.engines.launch.sglang import (
     DELTA_LOADER,
     build_raygym_server_argv,
@@ -48,6 +47,7 @@ from raygym.engines.launch.sglang import (
     render_sglang_config,
 )
 from raygym.engines.launch.vllm import build_vllm_argv
+from raygym.errors import ConfigError, RaygymError
 
 T = TypeVar("T")
 BACKENDS = ("sglang", "raygym", "vllm")

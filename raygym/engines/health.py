@@ -31,8 +31,8 @@ from typing import Any
 
 from raygym.engine_api.client import EngineAnswerError
 from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
-from raygym.errors import RaygymError
 from raygym.engines.router import DEAD, HEALTHY, LOST, NoHealthyEngineError, Router
+from raygym.errors import RaygymError
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from raygym.data.prompts import PromptDataset, PromptRow
+from raygym.engines.health import EnginePool
 from raygym.errors import RaygymError
 from raygym.rollout.filters import GroupFilter
-from raygym.engines.health import EnginePool
 from raygym.rollout.settings import RolloutSettings
 from raygym.types import Sample
 

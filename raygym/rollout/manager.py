@@ -54,6 +54,8 @@ from raygym.data.prompts import (
     load_eval_datasets,
 )
 from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
+from raygym.engines.health import ClientFactory, EnginePool
+from raygym.engines.launch.lora import adapter_request_fields
 from raygym.errors import RaygymError
 from raygym.rewards.scoring import (
     RewardModel,
@@ -64,8 +66,6 @@ from raygym.rewards.scoring import (
 from raygym.rollout import tasks
 from raygym.rollout.dynamic_sampling import collect_groups
 from raygym.rollout.filters import GroupFilter, load_group_filter
-from raygym.engines.health import ClientFactory, EnginePool
-from raygym.engines.launch.lora import adapter_request_fields
 from raygym.rollout.responses import (
     MAX_CONTINUATIONS,
     continuation_budget,

@@ -14,10 +14,10 @@ import time
 from typing import Any, Protocol
 
 from raygym.data.prompts import PromptDataset, PromptRow
+from raygym.engines.health import EnginePool
 from raygym.errors import RaygymError
 from raygym.rollout.async_buffer import AsyncBuffer, PendingPrompt
 from raygym.rollout.filters import GroupFilter
-from raygym.engines.health import EnginePool
 from raygym.types import Sample
 
 SEED_SCOPE = ("async",)  # sampling seeds of a fully asynchronous run: (run seed, "async", key, sample)

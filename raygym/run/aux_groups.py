@@ -117,8 +117,8 @@ def start_aux_groups(recipe: Recipe, run_dir: Path, engine_kind: str, say: Any =
     """Start the judge engines and the teacher actors the recipe asks for; on failure, end what started."""
     import ray
 
-    from raygym.cluster.actor_group import ActorGroup, merge_user_env, start_engine_group
     from raygym.builtin import resolve_model_path
+    from raygym.cluster.actor_group import ActorGroup, merge_user_env, start_engine_group
     from raygym.engine_api.auth import engine_api_key
 
     groups = AuxGroups()

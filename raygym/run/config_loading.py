@@ -12,6 +12,7 @@ from raygym import presets
 from raygym.builtin import BUILTIN_PREFIX, is_builtin
 from raygym.config.flags import FLAGS, RUN_FIELDS, SECTION_MODELS, SECTIONS, parse_flags
 from raygym.config.run import TrainConfig
+from raygym.config.schedule import schedule_fields
 from raygym.errors import ConfigError
 
 _VALUE_FLAGS = {f"--{s.flag}" for s in FLAGS if s.kind != "bool"} | {"--preset"}
@@ -68,7 +69,7 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
             model = SECTION_MODELS[key]
             for field, item in value.items():
                 field = field.replace("-", "_")
-                if field not in model.model_fields:
+                if field not in model.model_fields and not (key == "recipe" and field == "schedule"):
                     close = difflib.get_close_matches(field, list(model.model_fields), n=3)
                     raise ConfigError(
                         f"{path}: [{key}] {field}: not a field of {'Recipe' if key == 'recipe' else model.__name__}"
@@ -77,6 +78,8 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
                 out[key][field] = item
         elif key == "preset":
             out["preset"]["name"] = value
+        elif key == "schedule":  # a spelling of the recipe's mode fields (raygym.config.schedule)
+            out["recipe"]["schedule"] = value
         elif key in RUN_FIELDS:
             out["run"][key] = value
         else:
@@ -99,6 +102,15 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _spell_schedule(recipe_layer: dict[str, Any]) -> dict[str, Any]:
+    """One layer's ``schedule`` as the mode fields it stands for, so that a later layer's schedule (or flag)
+    overrides an earlier one's and the preset's; a field of the same layer that contradicts it is a ConfigError."""
+    if "schedule" not in recipe_layer:
+        return recipe_layer
+    rest = {k: v for k, v in recipe_layer.items() if k != "schedule"}
+    return {**rest, **schedule_fields(recipe_layer["schedule"], rest)}
+
+
 def load_train_config(args: Sequence[str]) -> TrainConfig:
     """The config a command line describes: ``[--preset NAME] [@ run.toml] [--flag value ...]``, as
     ``raygym train`` reads it. Layers, later wins: the preset (``tiny`` when no preset is given anywhere and
@@ -116,8 +128,9 @@ def load_train_config(args: Sequence[str]) -> TrainConfig:
         loaded = load_toml(path)
         preset_name = loaded["preset"].get("name", preset_name)
         for section in SECTIONS:
-            layers[section].update(loaded[section])
+            layers[section].update(_spell_schedule(loaded[section]) if section == "recipe" else loaded[section])
     flag_preset, flag_layers = parse_flags(flag_args)
+    flag_layers["recipe"] = _spell_schedule(flag_layers["recipe"])
     preset_name = flag_preset if flag_preset is not None else preset_name
     for section in SECTIONS:
         layers[section].update(flag_layers[section])

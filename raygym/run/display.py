@@ -61,6 +61,7 @@ def banner_lines(cfg: TrainConfig, facts: RunFacts, *, trainer_backend: str, eng
         f"{recipe.n_samples_per_prompt} samples = {per_step} per step, {_plural(updates, 'optimizer step')}, "
         f"lr {recipe.lr:g}"
     )
+    lines.append(f"  schedule   {recipe.schedule.describe()}")
     first = recipe.start_rollout_id or 0
     lines.append(f"  steps      {first}-{recipe.num_rollout - 1} of num_rollout={recipe.num_rollout}"
                  f"{' (or after the checkpoint in --load)' if recipe.load else ''}; "

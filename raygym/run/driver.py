@@ -30,9 +30,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raygym.errors import ConfigError, RaygymError
-from raygym.run.loop import Loop
-from raygym.run.metrics import MetricsLogger, apply_substep_timing, loss_note, plot_reward_curve, summary_table
 from raygym.run.display import StepProgress, banner_lines
+from raygym.run.loop import Loop
+from raygym.run.metrics import (
+    MetricsLogger,
+    apply_substep_timing,
+    loss_note,
+    plot_reward_curve,
+    summary_table,
+)
 
 if TYPE_CHECKING:
     from raygym.config import TrainConfig
@@ -178,9 +184,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     facts = preflight(cfg)  # data, rewards, model path, writable directories: ConfigError before Ray
     import ray
 
-    from raygym.run.aux_groups import preflight_judge
     from raygym.builtin import resolve_model_path
     from raygym.engine_api.kinds import choose_rollout_engine
+    from raygym.run.aux_groups import preflight_judge
     from raygym.run.graph import (
         build_graph,
         config_error_of,

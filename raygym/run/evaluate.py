@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raygym.errors import ConfigError
 from raygym.checkpoint.model_source import ModelSource, resolve_model_source
+from raygym.errors import ConfigError
 
 if TYPE_CHECKING:
-    from raygym.config.allocation import GpuAllocation
     from raygym.config import Recipe, TrainConfig
+    from raygym.config.allocation import GpuAllocation
 
 EVAL_OPTIONS = ("--prompt-data", "--step", "--out")
 
@@ -132,8 +132,8 @@ def plan_eval(checkpoint: str, args: Sequence[str], *, cache_dir: str | None = N
     Raises :class:`ConfigError` for a bad checkpoint, bad flags, or no eval data.
     """
     from raygym.config import TrainConfig
-    from raygym.run.config_loading import load_train_config
     from raygym.data.prompts import eval_dataset_urls
+    from raygym.run.config_loading import load_train_config
 
     flags, own = take_options(args)
     step_text = own.get("--step")
@@ -285,18 +285,18 @@ def _start_engines(cfg: TrainConfig, model_path: str, log_dir: str, say: Callabl
     import ray
 
     from raygym.cluster.actor_group import start_engine_group
-    from raygym.engine_api.kinds import choose_rollout_engine
-    from raygym.run.graph import ENGINE_START_TIMEOUT_S
     from raygym.cluster.placement import allocate
+    from raygym.engine_api.kinds import choose_rollout_engine
     from raygym.engines.actor import EngineActor
+    from raygym.run.graph import ENGINE_START_TIMEOUT_S
 
     recipe = cfg.recipe
     alloc = engine_allocation(recipe)
     kind = choose_rollout_engine(recipe.rollout_engine)
     server_args: list[str] = []
     if adapter_dir:  # a LoRA checkpoint: the base model with its adapter beside it, as in training
-        from raygym.lora import LoraSpec, model_targets, read_adapter
         from raygym.engines.launch.lora import engine_lora_args
+        from raygym.lora import LoraSpec, model_targets, read_adapter
 
         spec = LoraSpec.from_config(read_adapter(adapter_dir)[0])
         server_args = engine_lora_args(kind, spec, model_targets(model_path, spec), adapter_dir)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from raygym.config import Recipe, TrainConfig
-from raygym.engines.fleet import ENGINE_START_TIMEOUT_S
+from raygym.config.schedule import FullyAsync
 from raygym.engine_api.kinds import (
     check_inflight_update,
     check_lora,
@@ -24,6 +24,7 @@ from raygym.engine_api.kinds import (
     check_weight_sync,
     choose_rollout_engine,
 )
+from raygym.engines.fleet import ENGINE_START_TIMEOUT_S
 from raygym.errors import ConfigError, RaygymError
 from raygym.routed_experts import require_moe
 
@@ -31,10 +32,10 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from raygym.cluster.actor_group import ActorGroup
-    from raygym.run.aux_groups import AuxGroups
-    from raygym.engines.fleet import EngineFleet
     from raygym.cluster.placement import Placement
+    from raygym.engines.fleet import EngineFleet
     from raygym.rollout.manager import RolloutManager
+    from raygym.run.aux_groups import AuxGroups
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def preflight_engine(recipe: Recipe, model_path: str | None = None) -> str:
     kind = choose_rollout_engine(recipe.rollout_engine)
     check_weight_sync(kind, mode=recipe.update_weight_mode, transport=recipe.update_weight_transport,
                       colocate=recipe.colocate, double_buffer=recipe.update_weight_double_buffer)
-    if recipe.fully_async:
+    if isinstance(recipe.schedule, FullyAsync):
         check_inflight_update(kind, pause_mode=recipe.update_weight_pause_mode)
     if recipe.lora_rank > 0:  # before the engine's own probes: what LoRA needs is cheap to check and says more
         preflight_lora(recipe, kind, model_path)
@@ -181,13 +182,13 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
     import ray
 
     from raygym.cluster.actor_group import call_all, start_engine_group, start_trainer_group
-    from raygym.run.aux_groups import aux_manager_kwargs, start_aux_groups
+    from raygym.cluster.placement import allocate_for_recipe
     from raygym.engine_api.auth import ENGINE_API_KEY_ENV, new_engine_api_key
+    from raygym.engines.actor import EngineActor
     from raygym.engines.fleet import EngineFleet
     from raygym.engines.spawn import EngineSpawner
-    from raygym.cluster.placement import allocate_for_recipe
-    from raygym.engines.actor import EngineActor
     from raygym.rollout.manager import RolloutManager
+    from raygym.run.aux_groups import aux_manager_kwargs, start_aux_groups
     from raygym.trainer.actor import TrainerActor
 
     recipe = cfg.recipe
@@ -285,8 +286,8 @@ class LoraSetup:
 
 def lora_setup(recipe: Recipe, kind: str, model_path: str, run_dir: Path) -> LoraSetup | None:
     """The LoRA part of the graph (None when ``lora_rank`` is 0)."""
-    from raygym.lora import LoraSpec, adapter_config, model_targets
     from raygym.engines.launch.lora import engine_lora_args
+    from raygym.lora import LoraSpec, adapter_config, model_targets
 
     spec = LoraSpec.from_recipe(recipe)
     if spec is None:

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from raygym.config import Recipe, TrainConfig
+from raygym.config.schedule import FullyAsync, OneStepOff, Sync
 from raygym.engine_api.protocol import Endpoint
-from raygym.run.metrics import MetricsLogger, PhaseTimer, apply_substep_timing, progress_line, write_traces
 from raygym.rollout.stream import staleness_metrics
+from raygym.run.metrics import MetricsLogger, PhaseTimer, apply_substep_timing, progress_line, write_traces
 
 if TYPE_CHECKING:
     from raygym.run.graph import RunGraph
@@ -147,9 +148,9 @@ class FullyAsyncSchedule(SyncSchedule):
     once, so it waits on generation only when the engines are behind. Weight updates land while requests
     are in flight."""
 
-    def __init__(self, manager: Any, last: int, max_staleness: int, policy: str) -> None:
+    def __init__(self, manager: Any, last: int, schedule: FullyAsync) -> None:
         super().__init__(manager, last)
-        self.max_staleness, self.policy = max_staleness, policy
+        self.max_staleness, self.policy = schedule.max_staleness, schedule.stale_sample_policy
 
     def first(self, start: int, version: int) -> Any:
         import ray
@@ -172,10 +173,14 @@ class FullyAsyncSchedule(SyncSchedule):
 
 
 def schedule_for(recipe: Recipe, manager: Any, last: int) -> SyncSchedule:
-    """The schedule of ``recipe``: fully asynchronous, one step off-policy, or synchronous."""
-    if recipe.fully_async:
-        return FullyAsyncSchedule(manager, last, recipe.max_staleness, recipe.stale_sample_policy)
-    return (AsyncSchedule if recipe.async_mode else SyncSchedule)(manager, last)
+    """The loop's side of ``recipe.schedule``: fully asynchronous, one step off-policy, or synchronous."""
+    match recipe.schedule:
+        case FullyAsync() as fully_async:
+            return FullyAsyncSchedule(manager, last, fully_async)
+        case OneStepOff():
+            return AsyncSchedule(manager, last)
+        case Sync():
+            return SyncSchedule(manager, last)
 
 
 class Loop:
@@ -229,17 +234,16 @@ class Loop:
         """Old log-probs (and PPO's values), advantages and the optimizer steps of one rollout."""
         import ray
 
-        from raygym.trainer.batch import batch_mismatch
         from raygym.trainer.actor import PackedBatch
-        from raygym.trainer.batch import TrainBatch
+        from raygym.trainer.batch import TrainBatch, batch_mismatch
 
         recipe = self.recipe
         self.colocation.before_train(step, timer)
         batch = TrainBatch.from_samples(samples, group_size=recipe.n_samples_per_prompt)
-        if recipe.fully_async:  # the mismatch is split by each token's age (by the driver or the trainer)
+        if isinstance(schedule := recipe.schedule, FullyAsync):  # the mismatch is split by each token's age
             batch = batch.with_token_ages([[self.version - v for v in (s.token_versions or
                                                                        [s.weight_version] * s.response_length)]
-                                           for s in samples], recipe.max_staleness + 1)
+                                           for s in samples], schedule.max_staleness + 1)
         policy_ranks = self.graph.trainers.handles
         critic_ranks = self.graph.critics.handles if self.graph.critics is not None else []
         with timer.phase("log_probs"):
@@ -370,8 +374,9 @@ class Loop:
         row["rollout/generate_time"] = row.pop("perf/rollout_time", 0.0)
         row["rollout/weight_version_min"] = min(s.weight_version for s in samples)
         row["rollout/weight_version_max"] = max(s.max_version for s in samples)
-        row.update(staleness_metrics(samples, self.version, self.recipe.max_staleness if self.recipe.fully_async
-                                     else 1))
+        schedule = self.recipe.schedule
+        row.update(staleness_metrics(samples, self.version,
+                                     schedule.max_staleness if isinstance(schedule, FullyAsync) else 1))
         return row
 
     def _log(self, step: int, samples: list[Any], row: dict[str, Any]) -> None:

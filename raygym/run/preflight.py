@@ -105,8 +105,8 @@ def check_rewards(cfg: TrainConfig, data: DataSummary) -> list[Any]:
     from raygym.builtin import BUILTIN_TASKS
     from raygym.config import RM_TYPES, TASK_RM_TYPES
     from raygym.envs.reasoning_gym_tasks import check_rows_scorable, is_task_uri
-    from raygym.rewards.signatures import missing_inputs
     from raygym.rewards.scoring import default_rm_type, resolve_reward_functions, rm_type_choices
+    from raygym.rewards.signatures import missing_inputs
 
     recipe = cfg.recipe
     prompt_data = cfg.dataset.prompt_data

@@ -188,8 +188,8 @@ def adapter_serving(kind: str, settings: ServeSettings) -> tuple[list[str], dict
     request names (``lora_path``). Nothing without an adapter."""
     if not settings.adapter_dir:
         return [], {}
-    from raygym.lora import ADAPTER_NAME, LoraSpec, model_targets, read_adapter
     from raygym.engines.launch.lora import engine_lora_args
+    from raygym.lora import ADAPTER_NAME, LoraSpec, model_targets, read_adapter
 
     spec = LoraSpec.from_config(read_adapter(settings.adapter_dir)[0])
     targets = model_targets(settings.model_dir, spec)

@@ -258,8 +258,8 @@ class TrainerActor:
     def _load_into_backend(self, path: str, load_optimizer: bool) -> dict[str, Any]:
         """Fill the backend's own state template from checkpoint ``path`` (sharded, or the older
         single-file format) and hand it to the backend; returns the checkpoint's ``extra``."""
-        from raygym.checkpoint.store import load_checkpoint
         from raygym.checkpoint.sharded import FORMAT_SHARDED, checkpoint_format, fill_from_full, load_sharded
+        from raygym.checkpoint.store import load_checkpoint
 
         backend = self._live
         template = backend.checkpoint_state(include_optimizer=load_optimizer)

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from raygym.errors import ConfigError
 from raygym.lora import PEFT_PREFIX, LoraSpec, import_peft, linear_modules, resolve_targets
 
 PEFT_ADAPTER = "default"  # the name peft gives the one adapter it wraps a model with

@@ -33,6 +33,7 @@ import torch
 from raygym.algo import pack_micro_batches
 from raygym.algo.batching import contiguous_shard, fixed_micro_batches, optimizer_step_slices
 from raygym.algo.rl_loss import rl_loss
+from raygym.checkpoint.state import CheckpointState
 from raygym.errors import ConfigError, RaygymError
 from raygym.trainer.backend import (
     TrainerBackend,
@@ -42,7 +43,6 @@ from raygym.trainer.backend import (
     check_policy_batch,
     reference_model_path,
 )
-from raygym.checkpoint.state import CheckpointState
 from raygym.trainer.contract import LogProbResult, advantage_stats, step_metrics_summary
 from raygym.trainer.megatron_lockstep import lockstep_plan
 from raygym.trainer.megatron_model import (

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from raygym.errors import ConfigError
 from raygym.checkpoint.tensor_shard import TensorShard
+from raygym.errors import ConfigError
 from raygym.trainer.weight_mapping import ModelShape, ParamMap, hf_blocks, join_hf_blocks, split_hf_blocks
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -49,6 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from raygym.config import Recipe
+from raygym.config.schedule import FullyAsync
 from raygym.engine_api.kinds import capabilities
 from raygym.engine_api.protocol import (
     AbortRequest,
@@ -133,7 +134,8 @@ class WeightSync:
         caps = capabilities(engine_kind)
         # A fully asynchronous run on an engine that swaps weights under running requests receives into the
         # shadow copy and switches without aborting anything: requests continue on the new weights.
-        self.inflight_swap = recipe.fully_async and caps.inflight_update == "swap" and caps.double_buffer
+        self.inflight_swap = (isinstance(recipe.schedule, FullyAsync) and caps.inflight_update == "swap"
+                              and caps.double_buffer)
         self.double_buffer = (recipe.update_weight_double_buffer and caps.double_buffer) or self.inflight_swap
         self.cost_model = (cost_model or SyncCostModel(self.spec.payload_modes)) if self.spec.mode == "auto" else None
         self._raw_bytes = 0.0

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+
 from conftest import megatron_skip_reason, run_ranks
 
 pytestmark = [

@@ -18,9 +18,9 @@ from raygym.cluster.actor_group import (
     start_trainer_group,
     submit_all,
 )
+from raygym.cluster.placement import allocate
 from raygym.config.allocation import compute_allocation
 from raygym.errors import ConfigError, RaygymError
-from raygym.cluster.placement import allocate
 
 pytestmark = pytest.mark.ray
 

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from raygym.engine_api.protocol import Endpoint, GenerateRequest
-from raygym.presets import tiny
 from raygym.engines.actor import EngineActor
+from raygym.presets import tiny
 
 pytestmark = pytest.mark.ray
 

@@ -24,10 +24,10 @@ from aiohttp import web
 
 from raygym.config import DatasetConfig, ModelConfig, Recipe, TrainConfig
 from raygym.engine_api.protocol import GenerateRequest
-from raygym.presets import tiny
 from raygym.engines.health import EnginePool
-from raygym.rollout.manager import RolloutManager
 from raygym.engines.router import DEAD, HEALTHY, LOST, NEEDS_WEIGHTS
+from raygym.presets import tiny
+from raygym.rollout.manager import RolloutManager
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
 

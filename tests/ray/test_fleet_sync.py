@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from raygym.engines import fleet as engine_fleet
 from raygym.config import Recipe
+from raygym.engines import fleet as engine_fleet
 from raygym.engines.fleet import EngineFleet
+from raygym.engines.router import Router
 from raygym.errors import WeightSyncError
 from raygym.presets import tiny
-from raygym.engines.router import Router
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 

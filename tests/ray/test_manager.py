@@ -14,8 +14,8 @@ import pytest
 from raygym.builtin import build_tokenizer, next_digit_reward
 from raygym.config import DatasetConfig, ModelConfig, Recipe, TrainConfig
 from raygym.data.prompts import PromptDataset
-from raygym.presets import tiny
 from raygym.engines.actor import EngineActor
+from raygym.presets import tiny
 from raygym.rollout.manager import RolloutManager, RolloutSettings
 
 pytestmark = pytest.mark.ray

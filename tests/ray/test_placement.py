@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from ray import cloudpickle as ray_cloudpickle
 
-from raygym.cluster.actor_group import ActorGroup, call_all, start_engine_group, start_trainer_group
-from raygym.config.allocation import GpuAllocation, compute_allocation
 from raygym.cli.main import render_assignments
-from raygym.errors import RaygymError
+from raygym.cluster.actor_group import ActorGroup, call_all, start_engine_group, start_trainer_group
 from raygym.cluster.layout import BundleRecord
 from raygym.cluster.placement import allocate, plan_on_cluster
+from raygym.config.allocation import GpuAllocation, compute_allocation
+from raygym.errors import RaygymError
 
 pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[2]

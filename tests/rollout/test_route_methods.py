@@ -9,8 +9,8 @@ import pytest
 from aiohttp import web
 
 from raygym.builtin import build_tiny_model
-from raygym.engines.raygym_server.generation import GenerationEngine
 from raygym.engine_api.protocol import RAYGYM_ROUTE_METHODS, SGLANG_ROUTE_METHODS, Endpoint, route_methods
+from raygym.engines.raygym_server.generation import GenerationEngine
 from raygym.engines.raygym_server.server import InferenceServer
 from raygym.engines.vllm.server import VllmAdapter
 

@@ -22,8 +22,8 @@ import torch
 from pydantic import BaseModel
 
 from raygym.builtin import build_tiny_model
-from raygym.engine_api.protocol import GenerateRequest
 from raygym.engine_api.client import EngineClient, EngineHTTPError
+from raygym.engine_api.protocol import GenerateRequest
 from raygym.engines.actor import free_port
 from raygym.engines.raygym_server.server import tensor_checksum
 from raygym.engines.serving.weight_receiver import destroy_group

@@ -11,8 +11,8 @@ import subprocess
 import pytest
 
 from raygym.config import Recipe
-from raygym.errors import ConfigError
 from raygym.engines.launch.sglang import SUPPORTED_SGLANG, build_sglang_argv, render_sglang_config
+from raygym.errors import ConfigError
 
 pytestmark = pytest.mark.sglang_cpu
 

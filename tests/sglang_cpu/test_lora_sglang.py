@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from raygym.config import Recipe
-from raygym.lora import ADAPTER_NAME, LoraSpec
 from raygym.engines.launch.lora import engine_lora_args
 from raygym.engines.launch.sglang import SUPPORTED_SGLANG, build_sglang_argv
+from raygym.lora import ADAPTER_NAME, LoraSpec
 from raygym.weightsync.transport_dist import free_port
 from tests.sglang_cpu.test_launch_flags import parse_with_sglang
 

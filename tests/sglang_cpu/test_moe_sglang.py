@@ -17,9 +17,9 @@ import pytest
 
 from raygym.builtin import TINY_MOE_MODEL, materialize_model
 from raygym.config import Recipe
-from raygym.errors import ConfigError, WeightSyncError
 from raygym.engines.actor import EngineActor
 from raygym.engines.launch.sglang import SUPPORTED_SGLANG, build_sglang_argv
+from raygym.errors import ConfigError, WeightSyncError
 from raygym.weightsync import moe_names
 from raygym.weightsync.transport_dist import free_port
 from tests.sglang_cpu.test_launch_flags import parse_with_sglang

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from raygym.config import Recipe
+from raygym.engine_api.auth import use_engine_api_key
 from raygym.engine_api.client import EngineClient
 from raygym.engine_api.protocol import Endpoint, GenerateRequest
-from raygym.errors import WeightSyncError
-from raygym.engine_api.auth import use_engine_api_key
 from raygym.engines.actor import EngineActor
+from raygym.errors import WeightSyncError
 from raygym.weightsync.coordinator import WeightSync
 from tests.weightsync.faults import (
     ATTENTION_TENSOR,

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from raygym.builtin import build_tokenizer
+from raygym.engine_api.client import EngineClient
 from raygym.engine_api.protocol import GenerateRequest
+from raygym.engines.actor import EngineActor
 from raygym.envs import EpisodeRunner
 from raygym.envs.specs import parse_env_spec
 from raygym.presets import tiny
-from raygym.engine_api.client import EngineClient
-from raygym.engines.actor import EngineActor
 from raygym.rollout.tasks import sample_metrics
 from raygym.trainer.batch import TrainBatch
 from raygym.types import Sample

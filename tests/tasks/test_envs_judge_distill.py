@@ -11,13 +11,13 @@ import torch
 
 from raygym.builtin import build_tokenizer
 from raygym.config import Recipe
-from raygym.rewards.distill import TeacherActor, distill_advantages, reverse_kl_per_token
-from raygym.engine_api.protocol import GenerateRequest
-from raygym.envs import Environment, EpisodeRunner, Step
-from raygym.rewards.judge import JudgeClient, JudgeSettings
-from raygym.presets import tiny
 from raygym.engine_api.client import EngineClient
+from raygym.engine_api.protocol import GenerateRequest
 from raygym.engines.actor import EngineActor
+from raygym.envs import Environment, EpisodeRunner, Step
+from raygym.presets import tiny
+from raygym.rewards.distill import TeacherActor, distill_advantages, reverse_kl_per_token
+from raygym.rewards.judge import JudgeClient, JudgeSettings
 from raygym.rollout.tasks import sample_metrics
 from raygym.trainer.batch import TrainBatch
 from raygym.types import Sample

@@ -43,10 +43,10 @@ def exported_log_probs(directory: str, batch) -> list[torch.Tensor]:
 
 
 def check(backend: str, kind: str, model_dir: str, out: Path) -> dict:
+    from raygym.checkpoint.state import CheckpointState
     from raygym.checkpoint.store import export_hf, load_checkpoint
     from raygym.config import ModelConfig, TrainConfig
     from raygym.trainer import TrainerActor, TrainerSettings
-    from raygym.checkpoint.state import CheckpointState
     from raygym.trainer.contract import LogProbResult
 
     rank = int(os.environ["RANK"])

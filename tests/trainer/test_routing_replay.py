@@ -9,8 +9,8 @@ import pytest
 import torch
 from trainer_setup import make_batch, save_tiny_model, settings_for
 
-from raygym.errors import ConfigError
 from raygym.engines.raygym_server.routing_capture import RoutingCapture
+from raygym.errors import ConfigError
 from raygym.trainer import TrainBatch
 from raygym.trainer.torch_backend import TorchBackend
 

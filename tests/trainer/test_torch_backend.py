@@ -82,8 +82,8 @@ def test_log_probs_match_a_direct_forward_at_temperature(tiny_model_path):
 def _fsdp_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
     from torch.distributed.tensor import DTensor
 
-    from raygym.checkpoint.store import load_checkpoint
     from raygym.checkpoint.sharded import load_sharded, save_sharded
+    from raygym.checkpoint.store import load_checkpoint
 
     join_local_world(rank, world, port)
     backend = TorchBackend(

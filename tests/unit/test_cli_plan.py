@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from raygym.config.allocation import compute_allocation
 from raygym.cli.main import allocation_rows, main
+from raygym.config.allocation import compute_allocation
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

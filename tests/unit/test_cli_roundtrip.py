@@ -13,8 +13,8 @@ import pytest
 
 from raygym import ConfigError, DatasetConfig, MetricsConfig, ModelConfig, Recipe, TrainConfig
 from raygym.config import FLAGS, format_cli_help
-from raygym.run.config_loading import load_train_config
 from raygym.config.constants import RECIPE_CHOICES, UNSUPPORTED_MODEL_FIELDS, UNSUPPORTED_RECIPE_FIELDS
+from raygym.run.config_loading import load_train_config
 
 N_CONFIGS = 200
 

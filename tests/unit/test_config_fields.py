@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 
 from raygym.config import DatasetConfig, MetricsConfig, ModelConfig, Recipe, TrainConfig
-
-from raygym.run.config_loading import load_train_config
 from raygym.config.constants import UNSUPPORTED_MODEL_FIELDS, UNSUPPORTED_RECIPE_FIELDS
 from raygym.config.views import build_view, view_extras, view_problems
 from raygym.errors import ConfigError
+from raygym.run.config_loading import load_train_config
 from tests.unit.config_reads import VIEWS, fields_read, reads_field
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from raygym.cli.main import main
-from raygym.data.prompts import PromptDataset
 from raygym.data.prepare import PrepareOptions, prepare_dataset
+from raygym.data.prompts import PromptDataset
 from raygym.errors import ConfigError
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "gsm8k_sample.jsonl"

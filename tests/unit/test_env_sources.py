@@ -12,7 +12,6 @@ import pytest
 
 from raygym import TrainConfig
 from raygym.builtin import build_tokenizer
-from raygym.run.config_loading import load_train_config
 from raygym.data.prepare import PrepareOptions, prepare_dataset
 from raygym.engine_api.protocol import GenerateResponse
 from raygym.envs import Environment, EpisodeRunner, Step
@@ -21,8 +20,9 @@ from raygym.envs.openenv_env import action_field, observation_text
 from raygym.envs.reasoning_gym_tasks import parse_task, reasoning_gym_reward, task_rows
 from raygym.envs.specs import parse_env_spec
 from raygym.errors import ConfigError, RaygymError
-from raygym.run.preflight import preflight
 from raygym.rewards.scoring import RewardModel
+from raygym.run.config_loading import load_train_config
+from raygym.run.preflight import preflight
 from raygym.types import Sample
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from raygym.checkpoint.model_source import resolve_model_source
 from raygym.checkpoint.store import save_checkpoint
 from raygym.config import DatasetConfig, ModelConfig, TrainConfig
-from raygym.run.config_loading import load_train_config
 from raygym.errors import ConfigError
-from raygym.run.evaluate import dataset_name, engine_allocation, pass_ks, plan_eval, summarize, take_options
-from raygym.checkpoint.model_source import resolve_model_source
 from raygym.presets import qwen3_4b, qwen3_30b_a3b, tiny
 from raygym.rewards.scoring import pass_at_k
+from raygym.run.config_loading import load_train_config
+from raygym.run.evaluate import dataset_name, engine_allocation, pass_ks, plan_eval, summarize, take_options
 from raygym.types import Sample
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raygym.run.aux_groups import JUDGE_LABEL_TOKENS, judge_engine_recipe, preflight_judge
 from raygym.builtin import TINY_MODEL, materialize_model
 from raygym.config import Recipe
-from raygym.errors import ConfigError
 from raygym.engines.launch.vllm import max_model_len
+from raygym.errors import ConfigError
+from raygym.run.aux_groups import JUDGE_LABEL_TOKENS, judge_engine_recipe, preflight_judge
 
 RECIPE = Recipe(rollout_max_prompt_len=40, rollout_max_response_len=24, eval_max_response_len=30, eval_interval=5,
                 judge_hf_checkpoint="builtin:tiny-qwen3", judge_batch_size=100, judge_max_response_len=12,

@@ -7,10 +7,8 @@ from collections import defaultdict
 
 import pytest
 
-from raygym.cluster.actor_group import build_rank_envs, merge_user_env, shard_evenly
-from raygym.config.allocation import GpuAllocation, compute_allocation
 from raygym.cli.main import render_assignments
-from raygym.errors import ConfigError, RaygymError
+from raygym.cluster.actor_group import build_rank_envs, merge_user_env, shard_evenly
 from raygym.cluster.layout import (
     BundleAssignment,
     GpuSlot,
@@ -23,6 +21,8 @@ from raygym.cluster.layout import (
     shortfall_message,
     validate_shares,
 )
+from raygym.config.allocation import GpuAllocation, compute_allocation
+from raygym.errors import ConfigError, RaygymError
 
 
 def nodes_of(*ips: str, gpus: int = 8) -> list[NodeInfo]:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 
 from raygym.algo.mismatch import MAX, MEAN, MismatchTally
-from raygym.trainer.batch import batch_mismatch
-from raygym.trainer.batch import TrainBatch
+from raygym.trainer.batch import TrainBatch, batch_mismatch
 from raygym.types import Sample
 
 

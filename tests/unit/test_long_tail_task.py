@@ -25,9 +25,9 @@ from raygym.builtin import (
 )
 from raygym.data.prompts import PromptDataset
 from raygym.errors import ConfigError
-from raygym.run.preflight import preflight
 from raygym.presets import tiny
 from raygym.rewards.scoring import RewardModel, default_rm_type
+from raygym.run.preflight import preflight
 from raygym.types import Sample
 
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from raygym.config import Recipe, TrainConfig
-
-from raygym.run.config_loading import load_train_config
+from raygym.engine_api.kinds import capabilities, check_lora
+from raygym.engines.launch.lora import adapter_request_fields, engine_lora_args
+from raygym.engines.vllm.lora import lora_engine_args, vllm_lora_rank
 from raygym.errors import ConfigError
 from raygym.lora import (
     LoraSpec,
@@ -27,9 +28,7 @@ from raygym.lora import (
     split_tensor_name,
     write_adapter,
 )
-from raygym.engine_api.kinds import capabilities, check_lora
-from raygym.engines.launch.lora import adapter_request_fields, engine_lora_args
-from raygym.engines.vllm.lora import lora_engine_args, vllm_lora_rank
+from raygym.run.config_loading import load_train_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 QWEN_LINEARS = [f"model.layers.{i}.{m}" for i in range(2) for m in

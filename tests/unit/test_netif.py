@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from raygym.cluster import netif
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="interfaces are read the Linux way")
 
 

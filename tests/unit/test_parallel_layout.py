@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from raygym.errors import ConfigError
 from raygym.cluster.parallel_layout import ParallelLayout
+from raygym.errors import ConfigError
 
 
 def test_plan_of_the_30b_a3b_recipe_shows_its_expert_and_tensor_layout():

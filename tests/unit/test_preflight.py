@@ -11,9 +11,9 @@ import pytest
 
 from raygym import DatasetConfig, ModelConfig, Recipe, TrainConfig
 from raygym.errors import ConfigError
+from raygym.presets import get_base_recipe, qwen3_8b, tiny
 from raygym.run.graph import config_error_of, describe_actor_death, plain_text
 from raygym.run.preflight import check_writable, preflight
-from raygym.presets import get_base_recipe, qwen3_8b, tiny
 
 FIXTURE = str(Path(__file__).parents[1] / "fixtures" / "gsm8k_sample.jsonl")
 

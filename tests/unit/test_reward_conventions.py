@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from raygym.errors import ConfigError
-from raygym.rewards.signatures import missing_inputs, reward_convention, trl_arguments
 from raygym.rewards.scoring import RewardModel, resolve_reward_functions, reward_component_metrics
+from raygym.rewards.signatures import missing_inputs, reward_convention, trl_arguments
 from raygym.types import Sample
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "gsm8k_sample.jsonl"

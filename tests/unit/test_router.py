@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from raygym.errors import RaygymError
 from raygym.engines.router import DEAD, HEALTHY, NEEDS_WEIGHTS, NoHealthyEngineError, Router
+from raygym.errors import RaygymError
 
 
 def test_ties_go_round_robin():

@@ -17,11 +17,11 @@ from rich.console import Console
 
 from raygym import ModelConfig, TrainConfig
 from raygym.cli.main import main
+from raygym.presets import tiny
+from raygym.run.display import StepProgress, banner_lines
 from raygym.run.driver import TrainResult
 from raygym.run.metrics import progress_line, summary_table
 from raygym.run.preflight import preflight
-from raygym.presets import tiny
-from raygym.run.display import StepProgress, banner_lines
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ANSI = re.compile(r"\x1b\[")

@@ -8,7 +8,6 @@ import json
 import pytest
 
 from raygym.config import Recipe
-from raygym.errors import ConfigError
 from raygym.engine_api.kinds import MODEL_LOADER
 from raygym.engines.launch.sglang import (
     DELTA_LOADER,
@@ -18,6 +17,7 @@ from raygym.engines.launch.sglang import (
     cpu_kv_tokens,
     render_sglang_config,
 )
+from raygym.errors import ConfigError
 
 
 def flag_values(argv: list[str], flag: str) -> list[str]:

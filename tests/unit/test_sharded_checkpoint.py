@@ -8,9 +8,9 @@ import fsspec
 import pytest
 import torch
 
-from raygym.checkpoint.store import capture_rng_state, latest_checkpoint, load_checkpoint
 from raygym.checkpoint.sharded import FORMAT_SHARDED, fill_from_full, load_sharded, save_sharded
 from raygym.checkpoint.state import CheckpointState
+from raygym.checkpoint.store import capture_rng_state, latest_checkpoint, load_checkpoint
 from raygym.checkpoint.tensor_shard import TensorShard
 
 

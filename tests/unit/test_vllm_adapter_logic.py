@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 
 from raygym.config import Recipe
-from raygym.errors import ConfigError
 from raygym.engine_api.kinds import capabilities, check_weight_sync, weight_update_session
-from raygym.engines.serving.generate_route import SampleJob, per_item, prompt_batch, sample_answer
 from raygym.engine_api.protocol import GenerateResponse
 from raygym.engines.launch.vllm import build_vllm_argv, check_cpu_head_dim, max_model_len
+from raygym.engines.serving.generate_route import SampleJob, per_item, prompt_batch, sample_answer
 from raygym.engines.vllm.protocol import finish_reason, sampling_kwargs
+from raygym.errors import ConfigError
 
 
 def test_sampling_params_map_to_vllm_names():

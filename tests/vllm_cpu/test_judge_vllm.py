@@ -8,13 +8,13 @@ import asyncio
 
 import pytest
 
-from raygym.run.aux_groups import judge_engine_recipe
 from raygym.config import Recipe
 from raygym.engine_api.client import EngineClient
 from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
-from raygym.rewards.judge import JudgeClient, JudgeSettings, parse_score, render_prompt
 from raygym.engines.actor import EngineActor
 from raygym.engines.launch.vllm import max_model_len
+from raygym.rewards.judge import JudgeClient, JudgeSettings, parse_score, render_prompt
+from raygym.run.aux_groups import judge_engine_recipe
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from raygym.config import Recipe
-from raygym.engine_api.protocol import Endpoint, GenerateRequest
-from raygym.errors import WeightSyncError
 from raygym.engine_api.auth import use_engine_api_key
+from raygym.engine_api.protocol import Endpoint, GenerateRequest
 from raygym.engines.actor import EngineActor
 from raygym.engines.vllm.server import cpu_dtype
+from raygym.errors import WeightSyncError
 from raygym.weightsync.coordinator import WeightSync
 from tests.vllm_cpu.conftest import LONG_CONTEXT
 from tests.weightsync.faults import (

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from raygym.config import ModelConfig, Recipe, TrainConfig
-from raygym.lora import LoraSpec, adapter_config, model_targets
 from raygym.engines.launch.lora import engine_lora_args
+from raygym.lora import LoraSpec, adapter_config, model_targets
 from raygym.trainer import TrainBatch, TrainerActor, TrainerSettings
 from raygym.types import Sample
 from raygym.weightsync.coordinator import WeightSync

@@ -15,8 +15,8 @@ import torch
 
 from raygym.config import Recipe
 from raygym.engine_api.protocol import Endpoint
-from raygym.errors import WeightSyncError
 from raygym.engines.serving.weight_receiver import WeightReceiver
+from raygym.errors import WeightSyncError
 from raygym.weightsync.codec import checksum
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.engine_link import HttpEngineLink, LocalEngineLink

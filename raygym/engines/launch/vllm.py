@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from raygym.config import Recipe
-from raygym.errors import ConfigError
 from raygym.engines.launch.sglang import raygym_max_running_requests
+from raygym.errors import ConfigError
 
 # vLLM's CPU attention kernels take these head sizes only (vllm/v1/attention/backends/cpu_attn.py, 0.32).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

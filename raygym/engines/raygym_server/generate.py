@@ -21,6 +21,14 @@ from aiohttp import web
 
 from raygym import routed_experts
 from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
+from raygym.engines.raygym_server.generation import (
+    EngineBusy,
+    EngineUnavailable,
+    GenerationEngine,
+    GenerationRequest,
+)
+from raygym.engines.raygym_server.routing_capture import answer_routes
+from raygym.engines.raygym_server.sampling import SamplingParams
 from raygym.engines.serving.generate_route import (
     GenerateCall,
     GenerateError,
@@ -30,9 +38,6 @@ from raygym.engines.serving.generate_route import (
     sample_answer,
     visible_text,
 )
-from raygym.engines.raygym_server.generation import EngineBusy, EngineUnavailable, GenerationEngine, GenerationRequest
-from raygym.engines.raygym_server.routing_capture import answer_routes
-from raygym.engines.raygym_server.sampling import SamplingParams
 from raygym.engines.serving.http import BadRequest, handles_errors, parse
 from raygym.routed_experts import SERVER_FLAG
 

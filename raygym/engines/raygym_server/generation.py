@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from raygym.engine_api.protocol import PAUSE_MODES
 from raygym.engines.raygym_server import routing_capture
 from raygym.engines.raygym_server.generation_request import (
     EngineBusy,
@@ -45,7 +46,6 @@ from raygym.engines.raygym_server.generation_request import (
     release_host_memory,
 )
 from raygym.engines.raygym_server.kv_cache import _left_pad, _mergeable, new_kv_cache
-from raygym.engine_api.protocol import PAUSE_MODES
 from raygym.engines.raygym_server.sampling import SamplingParams, sample_next_tokens
 
 if TYPE_CHECKING:

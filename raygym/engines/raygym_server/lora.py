@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from raygym.errors import ConfigError
 from raygym.engine_api import protocol
-from raygym.engines.raygym_server.adapter_layers import adapter_names, load_adapter
 from raygym.engine_api.protocol import Endpoint
+from raygym.engines.raygym_server.adapter_layers import adapter_names, load_adapter
 from raygym.engines.serving.http import BadRequest, handles_errors, parse, register_routes
+from raygym.errors import ConfigError
 
 
 class LoraRoutes:

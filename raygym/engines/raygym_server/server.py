@@ -36,18 +36,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 from aiohttp import web
 
-from raygym.lora import ADAPTER_NAME
 from raygym.engine_api import protocol
 from raygym.engine_api.auth import engine_api_key
+from raygym.engine_api.protocol import STATE_CHANGING, Endpoint
+from raygym.engines.raygym_server.generate import GenerateRoute, Limits
 from raygym.engines.raygym_server.generation import (
     EngineUnavailable,
     GenerationEngine,
     GenerationRequest,
     SamplingParams,
 )
-from raygym.engine_api.protocol import STATE_CHANGING, Endpoint
+from raygym.engines.raygym_server.lora import LoraRoutes
 from raygym.engines.raygym_server.routing_capture import RoutingCapture
-from raygym.engines.raygym_server.generate import GenerateRoute, Limits
+from raygym.engines.raygym_server.weights import WeightRoutes
 from raygym.engines.serving.http import (
     guard_middleware,
     handles_errors,
@@ -56,9 +57,8 @@ from raygym.engines.serving.http import (
     register_routes,
     server_info_body,
 )
-from raygym.engines.raygym_server.lora import LoraRoutes
-from raygym.engines.raygym_server.weights import WeightRoutes
 from raygym.engines.serving.weight_receiver import WeightReceiver
+from raygym.lora import ADAPTER_NAME
 from raygym.routed_experts import SERVER_FLAG
 from raygym.weightsync.codec import checksum as tensor_checksum
 from raygym.weightsync.codec import dtype_from_name
@@ -407,8 +407,8 @@ async def serve(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     model, tokenizer, local_path = load_model(args.model_path, device, args.dtype)
     if args.lora_adapter or args.lora_config:  # adapters beside the base weights (raygym.engines.raygym_server.adapter_layers)
-        from raygym.lora import LoraSpec
         from raygym.engines.raygym_server.adapter_layers import attach_adapters, load_adapter
+        from raygym.lora import LoraSpec
 
         if args.lora_adapter:
             load_adapter(model, args.lora_adapter)

@@ -21,8 +21,8 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from raygym.engine_api import protocol
-from raygym.engines.raygym_server.generation import GenerationEngine
 from raygym.engine_api.protocol import Endpoint
+from raygym.engines.raygym_server.generation import GenerationEngine
 from raygym.engines.serving.http import (
     BadRequest,
     handles_errors,

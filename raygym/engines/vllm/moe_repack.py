@@ -24,7 +24,9 @@ def install() -> bool:
     """Make vLLM repack CPU MoE experts after each weight update (once per process); False when this vLLM has
     no such method (nothing to mend)."""
     try:
-        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
     except ImportError:
         return False
     original = UnquantizedFusedMoEMethod.process_weights_after_loading

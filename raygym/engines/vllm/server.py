@@ -54,8 +54,9 @@ from typing import Any
 from aiohttp import web
 
 from raygym.engine_api import protocol
-from raygym.engines.vllm import protocol as vp
 from raygym.engine_api.auth import engine_api_key
+from raygym.engine_api.protocol import STATE_CHANGING, Endpoint, GenerateResponse
+from raygym.engines.launch.vllm import cpu_dtype, cpu_kv_cache_gib, model_facts
 from raygym.engines.serving.generate_route import (
     GenerateError,
     SampleJob,
@@ -64,7 +65,6 @@ from raygym.engines.serving.generate_route import (
     respond,
     sample_answer,
 )
-from raygym.engine_api.protocol import STATE_CHANGING, Endpoint, GenerateResponse
 from raygym.engines.serving.http import (
     BadRequest,
     guard_middleware,
@@ -76,7 +76,7 @@ from raygym.engines.serving.http import (
     result_response,
     server_info_body,
 )
-from raygym.engines.launch.vllm import cpu_dtype, cpu_kv_cache_gib, model_facts
+from raygym.engines.vllm import protocol as vp
 
 log = logging.getLogger("raygym.engines.vllm.server")
 

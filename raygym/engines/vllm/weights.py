@@ -49,8 +49,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-from raygym.errors import WeightSyncError
 from raygym.engines.serving.weight_receiver import destroy_group
+from raygym.errors import WeightSyncError
 from raygym.weightsync.codec import checksum, dtype_from_name
 from raygym.weightsync.loader import HostSnapshot
 from raygym.weightsync.tensor_pickle import loads_named_tensors
