@@ -61,8 +61,8 @@ def emit(figure: str, info: dict[str, Any], **values: Any) -> None:
 
 def run(mode: str, args: argparse.Namespace, work: Path, model: str) -> list[dict[str, Any]]:
     from raygym import DatasetConfig, ModelConfig, Recipe, TrainConfig
-    from raygym.run.driver import train
     from raygym.presets import tiny
+    from raygym.run.driver import train
 
     fields = {**tiny().model_dump(), "num_rollout": args.steps, "save_interval": 10**6, "seed": args.seed,
               "rollout_max_response_len": args.max_response_len, "rm_type": "long_tail", **MODES[mode]}

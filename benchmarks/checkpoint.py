@@ -125,8 +125,8 @@ def sharded_save(backend, url: str) -> None:
 
 
 def sharded_load(backend, url: str) -> None:
-    from raygym.checkpoint.store import latest_checkpoint
     from raygym.checkpoint.sharded import load_sharded
+    from raygym.checkpoint.store import latest_checkpoint
 
     template = backend.checkpoint_state(include_optimizer=True)
     backend.load_checkpoint_state(load_sharded(latest_checkpoint(url).path, template, rank=backend.rank,

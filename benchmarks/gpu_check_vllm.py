@@ -145,8 +145,8 @@ def main() -> None:
         emit("vllm_gpu_check", skipped="no CUDA device")
         return
     from raygym.config import Recipe
-    from raygym.engine_api.protocol import Endpoint, GenerateRequest
     from raygym.engine_api.auth import new_engine_api_key, use_engine_api_key
+    from raygym.engine_api.protocol import Endpoint, GenerateRequest
     from raygym.engines.actor import EngineActor
     from raygym.weightsync.coordinator import WeightSync
 

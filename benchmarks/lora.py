@@ -179,8 +179,8 @@ def generation_seconds(url: str, prompts: int, tokens: int) -> float:
 def sync_section(args, model_dir: str) -> None:
     from transformers import Qwen3Config
 
-    from raygym.lora import LoraSpec, adapter_config, model_targets
     from raygym.engines.launch.lora import engine_lora_args
+    from raygym.lora import LoraSpec, adapter_config, model_targets
     from raygym.weightsync.coordinator import WeightSync
 
     adapter, total = adapter_share(model_dir, args.rank, ("all-linear",))

@@ -38,8 +38,8 @@ from raygym import routed_experts
 from raygym.builtin import TINY_MOE_MODEL, build_tokenizer, long_tail_rows, materialize_model, next_digit_rows
 from raygym.engine_api.kinds import capabilities
 from raygym.engine_api.protocol import GenerateRequest
-from raygym.presets import tiny
 from raygym.engines.actor import EngineActor
+from raygym.presets import tiny
 from raygym.trainer.routing_replay import HFRoutingReplay
 
 REPO = Path(__file__).resolve().parents[1]

@@ -32,14 +32,14 @@ class Pinger:
 
 def raygym_path() -> float:
     from raygym.cluster.actor_group import call_all, start_trainer_group
-    from raygym.config.allocation import compute_allocation
     from raygym.cluster.placement import allocate
+    from raygym.config.allocation import compute_allocation
 
     alloc = compute_allocation(actor_num_nodes=NODES, actor_num_gpus_per_node=GPUS_PER_NODE, colocate=True)
     start = time.perf_counter()
     with allocate(alloc, timeout=300).ensure_ready() as placement:
         group = start_trainer_group(placement, Pinger)
-        ranks = call_all(group, "ping", timeout=600)
+        ranks = call_all(group, lambda actor: actor.ping.remote(), timeout=600)
         elapsed = time.perf_counter() - start
         group.kill()
     assert ranks == [str(r) for r in range(NODES * GPUS_PER_NODE)]

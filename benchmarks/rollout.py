@@ -45,8 +45,8 @@ import torch  # noqa: E402
 
 from raygym.builtin import TINY_MODEL, build_tokenizer, materialize_model, next_digit_rows  # noqa: E402
 from raygym.engine_api.protocol import Endpoint, GenerateRequest  # noqa: E402
-from raygym.presets import tiny  # noqa: E402
 from raygym.engines.actor import EngineActor  # noqa: E402
+from raygym.presets import tiny  # noqa: E402
 
 # ~10M parameters: 10 layers of hidden 256 / MLP 1024 on the builtin character vocabulary.
 ARCHS = {

@@ -18,8 +18,8 @@ from rollout import ARCHS, baseline_seconds, make_prompts, server_seconds
 
 from raygym.builtin import NEXT_DIGIT_TASK, TINY_MODEL, materialize_model
 from raygym.engine_api.protocol import GenerateRequest
-from raygym.presets import tiny
 from raygym.engines.actor import EngineActor
+from raygym.presets import tiny
 
 TRAIN_ARCH = {"head_dim": 32}  # the tiny preset's model with a head size vLLM's CPU attention runs
 

@@ -55,8 +55,8 @@ def direct(model_dir: str, texts: list[str], new_tokens: int, concurrency: int, 
     """(seconds per repeat, time to first token per streamed request) against the engine itself."""
     from raygym.engine_api.client import EngineClient
     from raygym.engine_api.protocol import GenerateRequest
-    from raygym.presets import tiny
     from raygym.engines.actor import EngineActor
+    from raygym.presets import tiny
 
     tok = build_tokenizer()
     engine = EngineActor(tiny().replace(sglang_max_running_requests=64), engine_index=0, model_path=model_dir,

@@ -167,11 +167,6 @@ def model_targets(model_path: str, spec: LoraSpec) -> list[str]:
     return resolve_targets(spec, linear_modules(model))
 
 
-def tensor_name(module: str, which: str) -> str:
-    """The name of a module's adapter tensor (``which`` = ``"A"`` or ``"B"``) in weight sync and checkpoints."""
-    return f"{module}.lora_{which}.weight"
-
-
 def split_tensor_name(name: str) -> tuple[str, str]:
     """``(module path, "A" | "B")`` of an adapter tensor's name (with or without PEFT's prefix).
 

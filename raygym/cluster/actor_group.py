@@ -18,7 +18,7 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -187,7 +187,7 @@ class ActorGroup:
     """N Ray actors of one class, actor ``i`` in ``bundles[i]``; ``envs[i]`` is what it was started with.
 
     >>> group = ActorGroup.start(MyTrainer, placement.actor_bundles, args=(cfg,))   # doctest: +SKIP
-    >>> call_all(group, "init")                                                       # doctest: +SKIP
+    >>> call_all(group, lambda actor: actor.init.remote())                            # doctest: +SKIP
     >>> group.kill()                                                                  # doctest: +SKIP
     """
 
@@ -306,7 +306,7 @@ def start_trainer_group(
 ) -> ActorGroup:
     """Trainer actors of ``role`` ("actor" | "critic") into their bundles, torchrun env + user env.
 
-    >>> trainers = start_trainer_group(placement, TrainerActor, args=(cfg,),         # doctest: +SKIP
+    >>> trainers = start_trainer_group(placement, TrainerActor, args=(settings,),         # doctest: +SKIP
     ...                                environment=recipe.environment, train_env_vars=recipe.train_env_vars)
     """
     if role not in ("actor", "critic"):
@@ -349,65 +349,61 @@ def engine_placement_kwargs(index: int, bundles: Sequence[BundleRecord]) -> dict
     return {"engine_index": index, "gpu_ids": [b.gpu_id for b in bundles], "host": bundles[0].node_ip}
 
 
-def submit_all(group: ActorGroup, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-    """``method(*args, **kwargs)`` on every actor; returns the ObjectRefs in rank order."""
-    return [getattr(h, method).remote(*args, **kwargs) for h in group.handles]
+# A remote call on one actor, written where it is made so that the method is named in code, not in a string:
+# ``lambda trainer: trainer.offload.remote()``.
+RemoteCall = Callable[[Any], Any]
+ShardCall = Callable[[Any, Sequence[Any]], Any]  # (handle, its shard of the items) -> ObjectRef
 
 
-def call_all(
-    group: ActorGroup, method: str, *args: Any, timeout: float | None = None, **kwargs: Any
-) -> list[Any]:
-    """``method(*args, **kwargs)`` on every actor; the results in rank order."""
+def submit_all(group: ActorGroup, call: RemoteCall) -> list[Any]:
+    """``call`` on every actor; returns the ObjectRefs in rank order."""
+    return [call(h) for h in group.handles]
+
+
+def call_all(group: ActorGroup, call: RemoteCall, *, timeout: float | None = None) -> list[Any]:
+    """``call`` on every actor; the results in rank order.
+
+    >>> call_all(group, lambda rank: rank.init.remote())                               # doctest: +SKIP
+    """
     import ray
 
-    return ray.get(submit_all(group, method, *args, **kwargs), timeout=timeout)
+    return ray.get(submit_all(group, call), timeout=timeout)
 
 
-def call_rank0(
-    group: ActorGroup, method: str, *args: Any, timeout: float | None = None, **kwargs: Any
-) -> Any:
-    """``method(*args, **kwargs)`` on rank 0 only; its result."""
+def call_rank0(group: ActorGroup, call: RemoteCall, *, timeout: float | None = None) -> Any:
+    """``call`` on rank 0 only; its result."""
     import ray
 
-    return ray.get(getattr(group.handles[0], method).remote(*args, **kwargs), timeout=timeout)
+    return ray.get(call(group.handles[0]), timeout=timeout)
 
 
-def scatter_gather(
-    group: ActorGroup,
-    method: str,
-    items: Sequence[Any],
-    *args: Any,
-    timeout: float | None = None,
-    **kwargs: Any,
-) -> list[Any]:
-    """Split ``items`` into contiguous data-parallel shards (rank r gets shard r), call
-    ``method(shard, *args, **kwargs)`` on every rank, and concatenate the per-item results in order.
+def scatter_gather(group: ActorGroup, call: ShardCall, items: Sequence[Any], *, timeout: float | None = None
+                   ) -> list[Any]:
+    """Split ``items`` into contiguous data-parallel shards (rank r gets shard r), ``call(handle, shard)`` on
+    every rank, and concatenate the per-item results in order.
 
     Each rank must return a sequence as long as its shard, so the result lines up with ``items``.
     """
     import ray
 
     shards = shard_evenly(items, group.world_size)
-    refs = [getattr(h, method).remote(s, *args, **kwargs) for h, s in zip(group.handles, shards, strict=True)]
-    results = ray.get(refs, timeout=timeout)
+    results = ray.get([call(h, s) for h, s in zip(group.handles, shards, strict=True)], timeout=timeout)
     out: list[Any] = []
     for rank, (shard, res) in enumerate(zip(shards, results, strict=True)):
         if not isinstance(res, Sequence) or len(res) != len(shard):
             got = len(res) if isinstance(res, Sequence) else type(res).__name__
-            raise RaygymError(
-                f"scatter_gather: rank {rank} {method}() returned {got} results for {len(shard)} items"
-            )
+            raise RaygymError(f"scatter_gather: rank {rank} returned {got} results for {len(shard)} items")
         out.extend(res)
     return out
 
 
-def shutdown_group(group: ActorGroup, method: str | None = None, timeout: float = 30.0) -> None:
-    """Optionally call ``method`` (e.g. "shutdown") on every actor for a clean exit, then kill them."""
+def shutdown_group(group: ActorGroup, call: RemoteCall | None = None, timeout: float = 30.0) -> None:
+    """Optionally ``call`` every actor for a clean exit (``lambda a: a.shutdown.remote()``), then kill them."""
     import ray
 
-    if method and not group.killed:
+    if call is not None and not group.killed:
         try:
-            call_all(group, method, timeout=timeout)
+            call_all(group, call, timeout=timeout)
         except (ray.exceptions.RayError, TimeoutError) as exc:
-            logger.warning("shutdown_group: %s() failed (%s); killing the actors", method, exc)
+            logger.warning("shutdown_group: the exit call failed (%s); killing the actors", exc)
     group.kill()

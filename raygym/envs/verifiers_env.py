@@ -32,7 +32,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -381,8 +381,3 @@ class VerifiersRunner:
 
     def close(self) -> None:
         self._states.clear()
-
-
-def runner_reward(runner: VerifiersRunner) -> Callable[[list[Sample]], Any]:
-    """The reward function of a verifiers run: the environment's rubric, per group."""
-    return runner.verifiers_rubric

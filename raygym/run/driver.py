@@ -229,7 +229,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             loop.progress = progress
             final = loop.run(start, metrics)
         if loop.checkpoints:
-            hf_path = loop.trainers("export_hf", str(run_dir / "hf"))[0]
+            hf_path = loop.trainers(lambda trainer: trainer.export_hf.remote(str(run_dir / "hf")))[0]
         fast_release = False
     except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
         user_error = config_error_of(exc)  # a ConfigError raised while an actor was created

@@ -190,6 +190,7 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
     from raygym.rollout.manager import RolloutManager
     from raygym.run.aux_groups import aux_manager_kwargs, start_aux_groups
     from raygym.trainer.actor import TrainerActor
+    from raygym.trainer.backend import TrainerSettings
 
     recipe = cfg.recipe
     engine_kind = choose_rollout_engine(recipe.rollout_engine)
@@ -206,8 +207,9 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
     try:
         say(f"placement: {recipe.gpu_allocation().total_gpus} GPU bundles ...")
         placement = allocate_for_recipe(recipe).ensure_ready()
+        trainer_settings = TrainerSettings.from_config(cfg)  # the ranks' typed view; the TrainConfig stays here
         trainers = start_trainer_group(
-            placement, TrainerActor, args=(cfg,),
+            placement, TrainerActor, args=(trainer_settings,),
             environment=recipe.environment, train_env_vars=recipe.train_env_vars,
         )
         ray.get([h.use_engine_api_key.remote(api_key) for h in trainers.handles])
@@ -215,7 +217,7 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
         critic_refs: list[Any] = []
         if recipe.use_critic:  # PPO's value model: its own ranks, process group and checkpoints
             critics = start_trainer_group(
-                placement, TrainerActor, role="critic", args=(cfg,), kwargs={"role": "critic"},
+                placement, TrainerActor, role="critic", args=(trainer_settings,), kwargs={"role": "critic"},
                 environment=recipe.environment, train_env_vars=recipe.train_env_vars,
             )
             critic_refs = [h.init.remote() for h in critics.handles]
@@ -250,9 +252,9 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
         if lora:  # the engines serve the trainer's adapters (identity at first, B = 0) before the first rollout
             fleet.push(0)
             fleet.publish(0)
-        call_all(trainers, "get_rank")  # surfaces an init failure now, with its traceback
+        call_all(trainers, lambda trainer: trainer.get_rank.remote())  # surfaces an init failure now, with its traceback
         if critics is not None:
-            call_all(critics, "get_rank")
+            call_all(critics, lambda critic: critic.get_rank.remote())
         return RunGraph(recipe, placement, trainers, critics, engines, manager, fleet, aux, trainer_info, minted_api_key)
     except BaseException:
         end_run(False, placement=placement, trainers=trainers, critics=critics, engines=engines, manager=manager,

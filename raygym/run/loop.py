@@ -12,6 +12,7 @@ off-policy); the memory moves of a colocated run are :class:`Colocation`'s.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from raygym.rollout.stream import staleness_metrics
 from raygym.run.metrics import MetricsLogger, PhaseTimer, apply_substep_timing, progress_line, write_traces
 
 if TYPE_CHECKING:
+    from raygym.cluster.actor_group import RemoteCall
     from raygym.run.graph import RunGraph
 
 
@@ -53,11 +55,16 @@ def _call_log_hook(spec: Any, field_name: str, step: int, samples: Any, row: dic
         row.update(extra)
 
 
-def call_ranks(groups: tuple[Any, ...], method: str, *args: Any) -> list[Any]:
-    """``method(*args)`` on every rank of ``groups`` (ActorGroups; None = absent) at once, results in order."""
+def _commit_on(rank: Any, url: str) -> Any:
+    return rank.commit_checkpoint.remote(url)
+
+
+def call_ranks(groups: tuple[Any, ...], call: RemoteCall) -> list[Any]:
+    """``call`` (``lambda rank: rank.offload.remote()``) on every rank of ``groups`` (ActorGroups; None = absent)
+    at once, results in order."""
     import ray
 
-    return ray.get([getattr(h, method).remote(*args) for g in groups if g is not None for h in g.handles])
+    return ray.get([call(h) for g in groups if g is not None for h in g.handles])
 
 
 @dataclass(frozen=True)
@@ -84,13 +91,13 @@ class Colocation:
             with timer.phase("offload"):
                 self.graph.fleet.call(Endpoint.RELEASE_MEMORY)
                 self.events.append(f"{step}:engines.release")
-                call_ranks((self.graph.trainers, self.graph.critics), "onload")
+                call_ranks((self.graph.trainers, self.graph.critics), lambda rank: rank.onload.remote())
                 self.events.append(f"{step}:trainers.onload")
 
     def before_sync(self, step: int, timer: PhaseTimer) -> None:
         if self.enabled:
             with timer.phase("offload"):
-                call_ranks((self.graph.trainers, self.graph.critics), "offload")
+                call_ranks((self.graph.trainers, self.graph.critics), lambda rank: rank.offload.remote())
                 self.events.append(f"{step}:trainers.offload")
                 self.graph.fleet.call(Endpoint.RESUME_MEMORY, tags=["weights"])
                 self.events.append(f"{step}:engines.resume_weights")
@@ -201,12 +208,13 @@ class Loop:
         self.colocation = Colocation(self.recipe.colocate, graph, self.events)
         self.progress: Any = None  # raygym.run.display.StepProgress; None prints plain step lines
 
-    def trainers(self, method: str, *args: Any) -> list[Any]:
-        return call_ranks((self.graph.trainers,), method, *args)
+    def trainers(self, call: RemoteCall) -> list[Any]:
+        """``call`` on every policy trainer rank, results in rank order."""
+        return call_ranks((self.graph.trainers,), call)
 
-    def critics(self, method: str, *args: Any) -> list[Any]:
-        """Every critic rank (PPO); ``[]`` when the run has no critic."""
-        return call_ranks((self.graph.critics,), method, *args)
+    def critics(self, call: RemoteCall) -> list[Any]:
+        """``call`` on every critic rank (PPO); ``[]`` when the run has no critic."""
+        return call_ranks((self.graph.critics,), call)
 
     def resume(self) -> int:
         """Load the newest complete checkpoint of ``load`` (if any); returns the first rollout id to run."""
@@ -215,7 +223,7 @@ class Loop:
         start = self.recipe.start_rollout_id or 0
         if not self.recipe.load:
             return start
-        info = self.trainers("load_checkpoint")[0]
+        info = self.trainers(lambda trainer: trainer.load_checkpoint.remote())[0]
         if info is None:
             self.console.print(f"[yellow]load={self.recipe.load!r}: no complete checkpoint there; starting at step "
                                f"{start}[/]")
@@ -223,7 +231,7 @@ class Loop:
         extra = info.get("extra") or {}
         if extra.get("data_state") is not None:
             ray.get(self.graph.manager.load_data_state.remote(extra["data_state"]))
-        self.critics("load_checkpoint", None, int(info["rollout_id"]))
+        self.critics(lambda critic: critic.load_checkpoint.remote(None, int(info["rollout_id"])))
         self.version = int(info["start_rollout_id"])
         self.console.print(f"resumed from {info['path']} (saved after step {info['rollout_id']}); "
                            f"continuing at step {info['start_rollout_id']}", markup=False)
@@ -279,8 +287,9 @@ class Loop:
         """Write step ``step``'s checkpoint (policy and critic), not yet complete: :meth:`commit` completes it
         once the step's rows are on disk."""
         extra = {"data_state": data_state, "weight_version": self.version, "run_id": self.cfg.run_id}
-        critic = self.critics("save_checkpoint", step, extra, self.cfg.checkpoint_dir, False)
-        policy = self.trainers("save_checkpoint", step, extra, self.cfg.checkpoint_dir, False)[0]
+        save_dir = self.cfg.checkpoint_dir
+        critic = self.critics(lambda rank: rank.save_checkpoint.remote(step, extra, save_dir, False))
+        policy = self.trainers(lambda rank: rank.save_checkpoint.remote(step, extra, save_dir, False))[0]
         return PendingCheckpoint(policy_url=policy, critic_url=critic[0] if critic else None)
 
     def commit(self, pending: PendingCheckpoint) -> None:
@@ -301,7 +310,7 @@ class Loop:
             except Exception:  # the store refuses the driver (its credentials, its filesystem): the trainers try
                 done = False
             if not done:
-                role("commit_checkpoint", url)
+                role(functools.partial(_commit_on, url=url))
         self.checkpoints.append(pending.policy_url)
 
     def sync(self, version: int, step: int, timer: PhaseTimer) -> dict[str, float]:

@@ -4,7 +4,7 @@ The backend is chosen by ``recipe.trainer_backend``: ``"torch"``, ``"megatron"``
 (:func:`choose_backend`: Megatron when the recipe asks for model parallelism, or when CUDA is present and
 ``megatron.core`` imports; else torch). Heavy imports happen in ``init()``.
 
->>> # actor = TrainerActor(cfg); actor.init(); metrics = actor.train_step(batch, rollout_id=0)
+>>> # actor = TrainerActor(TrainerSettings.from_config(cfg)); actor.init(); metrics = actor.train_step(batch, rollout_id=0)
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from raygym.errors import ConfigError
 from raygym.trainer.backend import TrainerBackend, TrainerSettings
 
 if TYPE_CHECKING:
-    from raygym.config.run import TrainConfig
     from raygym.trainer.batch import TrainBatch
     from raygym.trainer.contract import LogProbResult
 
@@ -130,24 +129,15 @@ def make_backend(name: str, settings: TrainerSettings, role: str) -> TrainerBack
 
 
 class TrainerActor:
-    """One rank of the trainer group. ``cfg`` is a ``TrainConfig`` (``cfg.recipe``, ``cfg.model``).
+    """One rank of the trainer group, built from its typed view of the run's config
+    (``TrainerSettings.from_config(cfg)``: the fields a trainer reads, nothing else travels to the ranks).
 
     ``role="critic"`` makes it a rank of the PPO critic (torch backend, ``raygym.trainer.critic``): it has
     ``compute_values`` instead of policy log-probs, trains the value loss, and checkpoints under
     ``<save dir>/critic``.
-
-    ``settings``: the trainer's view of ``cfg`` when the caller built it already (tests and tools, with
-    ``TrainerSettings.from_config``); ``cfg`` may then be None.
     """
 
-    def __init__(
-        self, cfg: TrainConfig | None = None, role: str = "actor", settings: TrainerSettings | None = None
-    ) -> None:
-        if settings is None:
-            if cfg is None:
-                raise ConfigError("TrainerActor: pass a TrainConfig (cfg) or TrainerSettings")
-            settings = TrainerSettings.from_config(cfg)
-        self.cfg = cfg
+    def __init__(self, settings: TrainerSettings, role: str = "actor") -> None:
         self.role = role
         self.settings = settings
         self.backend_name = settings.trainer_backend

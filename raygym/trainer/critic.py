@@ -14,7 +14,7 @@ the model, the forward output and the loss:
   clipped around the old ``batch.values`` by ``value_clip`` (``eps_clip`` when unset; 0 = no clipping),
   aggregated per sample or per token like the policy loss. Metrics are ``critic/*``.
 
->>> # critic = TrainerActor(cfg, role="critic"); critic.init()
+>>> # critic = TrainerActor(TrainerSettings.from_config(cfg), role="critic"); critic.init()
 >>> # batch = batch.with_log_probs(critic.compute_values(batch)).with_advantages("ppo")
 >>> # metrics = critic.train_step(batch, rollout_id)
 """

@@ -36,11 +36,6 @@ log = logging.getLogger(__name__)
 _ENABLED = False
 
 
-def cpu_mode_active() -> bool:
-    """Whether :func:`enable_cpu_mode` ran in this process."""
-    return _ENABLED
-
-
 def enable_cpu_mode() -> None:
     """Apply items 1 and 2 of the module docstring in this process (idempotent; a no-op with CUDA)."""
     global _ENABLED

@@ -102,7 +102,7 @@ class TorchBackend(TorchWeights, TrainerBackend):
     def __init__(self, settings: TrainerSettings, role: str = "actor") -> None:
         if role != self.ROLE:
             raise ConfigError(f"role={role!r}: {type(self).__name__} trains the {self.ROLE!r} role; for the PPO critic "
-                              "use TrainerActor(cfg, role='critic') (raygym.trainer.critic.TorchCriticBackend)")
+                              "use TrainerActor(settings, role='critic') (raygym.trainer.critic.TorchCriticBackend)")
         self.settings = settings
         self.role = role
         self.model: torch.nn.Module  # model, optimizer and schedule: built by init()

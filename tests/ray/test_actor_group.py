@@ -98,7 +98,7 @@ def group(placement):
 
 
 def test_each_rank_sees_the_torchrun_contract(group: ActorGroup, placement) -> None:
-    envs = call_all(group, "env", timeout=120)
+    envs = call_all(group, lambda rank: rank.env.remote(), timeout=120)
     assert [e["RANK"] for e in envs] == [str(r) for r in range(WORLD)]
     assert [e["LOCAL_RANK"] for e in envs] == [str(r) for r in range(WORLD)]  # one node
     assert [e["rank_at_init"] for e in envs] == list(range(WORLD))
@@ -111,22 +111,22 @@ def test_each_rank_sees_the_torchrun_contract(group: ActorGroup, placement) -> N
 
 
 def test_gloo_all_reduce_of_ranks(group: ActorGroup) -> None:
-    assert call_all(group, "all_reduce_rank", timeout=180) == [float(sum(range(WORLD)))] * WORLD
+    assert call_all(group, lambda rank: rank.all_reduce_rank.remote(), timeout=180) == [float(sum(range(WORLD)))] * WORLD
 
 
 def test_call_helpers(group: ActorGroup) -> None:
     import ray
 
-    assert call_rank0(group, "env", timeout=60)["RANK"] == "0"
-    assert [e["RANK"] for e in ray.get(submit_all(group, "env"), timeout=60)] == [
+    assert call_rank0(group, lambda rank: rank.env.remote(), timeout=60)["RANK"] == "0"
+    assert [e["RANK"] for e in ray.get(submit_all(group, lambda rank: rank.env.remote()), timeout=60)] == [
         str(r) for r in range(WORLD)
     ]
     items = list(range(10))
-    gathered = scatter_gather(group, "label", items, timeout=60)
+    gathered = scatter_gather(group, lambda rank, shard: rank.label.remote(shard), items, timeout=60)
     assert [x for x, _ in gathered] == items
     assert [r for _, r in gathered] == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]  # contiguous shards 3,3,2,2
-    with pytest.raises(RaygymError, match=r"rank 0 wrong_length\(\) returned 4 results for 3 items"):
-        scatter_gather(group, "wrong_length", items, timeout=60)
+    with pytest.raises(RaygymError, match=r"rank 0 returned 4 results for 3 items"):
+        scatter_gather(group, lambda rank, shard: rank.wrong_length.remote(shard), items, timeout=60)
 
 
 def test_reserved_env_keys_refused_before_any_actor_starts(placement) -> None:
@@ -141,8 +141,8 @@ def test_shutdown_calls_then_kills(placement, group: ActorGroup) -> None:
 
     # A second, short-lived group in the same bundles (colocated share 0.5 + 0.4 leaves room at 0.4).
     extra = ActorGroup.start(GlooRank, placement.actor_bundles[:2], args=("extra",), gpu_share=0.4)
-    assert [e["RANK"] for e in call_all(extra, "env", timeout=120)] == ["0", "1"]
-    shutdown_group(extra, "close", timeout=30)
+    assert [e["RANK"] for e in call_all(extra, lambda rank: rank.env.remote(), timeout=120)] == ["0", "1"]
+    shutdown_group(extra, lambda rank: rank.close.remote(), timeout=30)
     assert extra.killed
     # ray.kill is asynchronous: a call may still slip in before the kill lands, so poll (bounded).
     deadline = time.monotonic() + 60

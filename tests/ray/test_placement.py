@@ -49,7 +49,7 @@ class WhereAmI:
 
 
 def assert_actors_on_their_bundles(group: ActorGroup) -> list[dict]:
-    seen = call_all(group, "where", timeout=120)
+    seen = call_all(group, lambda actor: actor.where.remote(), timeout=120)
     for info, bundle in zip(seen, group.bundles, strict=True):
         assert info["node_id"] == bundle.node_id
         assert info["gpu_ids"] == [bundle.gpu_id]
@@ -155,8 +155,8 @@ def two_node_run() -> dict:
                 "bundles": [asdict_bundle(b) for b in placement.bundles],
                 "actor_bundles": [asdict_bundle(b) for b in placement.actor_bundles],
                 "engine_bundles": [[asdict_bundle(b) for b in e] for e in placement.engine_bundles],
-                "trainers_seen": call_all(trainers, "where", timeout=300),
-                "engines_seen": call_all(engines, "where", timeout=300),
+                "trainers_seen": call_all(trainers, lambda actor: actor.where.remote(), timeout=300),
+                "engines_seen": call_all(engines, lambda actor: actor.where.remote(), timeout=300),
                 "master_addr": trainers.master_addr,
             }
         out["released"] = placement.released

@@ -228,10 +228,6 @@ class RaygymWorkerExtension:
         received = {**engine.received, **engine._received_staged}  # the sync coordinator asks inside the session
         return received if names is None else {n: received[n] for n in names if n in received}
 
-    def raygym_snapshot_size(self) -> int:
-        """Tensors in this worker's host snapshot (the state a delta is applied to)."""
-        return len(self._raygym_engine().snapshot.tensors)
-
     def _raygym_engine(self) -> RaygymWeightTransferEngine:
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, RaygymWeightTransferEngine):
