@@ -107,10 +107,17 @@ class EngineFleet:
         try:
             out.update(self.weight_sync.push(version))
         except WeightSyncError:
-            live = self._alive(self.synced) if self.recipe.use_fault_tolerance else self.synced
-            if not live or len(live) == len(self.synced):
+            if not self.recipe.use_fault_tolerance:
                 raise
-            self.say(f"[yellow]weight sync failed on a dead engine: syncing engines {live}[/]")
+            live = self._alive(self.synced)
+            moved = self._moved(live)  # restarted while the sync ran (the manager's health check): a new address
+            if not live or (len(live) == len(self.synced) and not moved):
+                raise
+            if moved:
+                self.say(f"[yellow]engines {moved} restarted during the weight sync: re-forming it over engines "
+                         f"{live}[/]")
+            else:
+                self.say(f"[yellow]weight sync failed on a dead engine: syncing engines {live}[/]")
             self._rebuild(live)
             out.update(self.weight_sync.push(version))
             out["sync/engine_rebuilds"] = float(self.rebuilds)
@@ -200,6 +207,20 @@ class EngineFleet:
     def _rebuild(self, live: list[int]) -> None:
         self.connect(live)
         self.rebuilds += 1
+
+    def _moved(self, indexes: list[int]) -> list[int]:
+        """Those of ``indexes`` whose server is no longer at the address the weight sync was formed with."""
+        import ray
+
+        moved = []
+        for i in indexes:
+            try:
+                url = ray.get(self.engines.handles[i].url.remote(), timeout=ALIVE_TIMEOUT_S)
+            except (ray.exceptions.RayError, RaygymError):  # mid-restart: no address yet
+                url = ""
+            if url != self.urls[i]:
+                moved.append(i)
+        return moved
 
     def _alive(self, indexes: list[int]) -> list[int]:
         """Those of ``indexes`` whose server process lives (a death the manager has not seen yet). An engine

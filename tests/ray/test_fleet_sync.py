@@ -36,10 +36,13 @@ class EngineStub:
     """An engine actor whose server is ``up``, ``dead`` (alive() is False) or ``silent`` (alive() hangs)."""
 
     def __init__(self, index: int, mode: str = "up") -> None:
-        self.index, self.mode = index, mode
+        self.index, self.mode, self.restarts = index, mode, 0
 
     def set_mode(self, mode: str) -> None:
         self.mode = mode
+
+    def restart(self) -> None:  # what the manager's health check does: a new server, on another port
+        self.restarts += 1
 
     def alive(self) -> bool:
         if self.mode == "silent":
@@ -47,7 +50,7 @@ class EngineStub:
         return self.mode == "up"
 
     def url(self) -> str:
-        return f"http://127.0.0.1:{9000 + self.index}"
+        return f"http://127.0.0.1:{9000 + self.index + 100 * self.restarts}"
 
 
 class ManagerStub:
@@ -119,8 +122,9 @@ def make_fleet(ray: Any, modes: list[str]) -> tuple[EngineFleet, Any, list[Any],
     fleet = EngineFleet(recipe, Group(handles), Group([]), manager, say=said.append)
     groups: list[list[int]] = []
 
-    def connect(indexes: list[int]) -> None:  # the weight-update group: recorded, not formed
+    def connect(indexes: list[int]) -> None:  # the weight-update group: recorded, not formed (at these addresses)
         groups.append(list(indexes))
+        fleet.urls = [ray.get(h.url.remote()) if i in indexes else "" for i, h in enumerate(handles)]
         fleet.weight_sync, fleet.synced = RecordedSync(list(indexes)), list(indexes)
 
     fleet.connect = connect  # type: ignore[method-assign]
@@ -172,6 +176,31 @@ def test_a_silent_engine_stays_out_without_re_forming_every_sync(ray_local, monk
         fleet.publish(2)
         assert len(groups) == rebuilt and fleet.weight_sync.pushed == [1, 2]
         assert ray.get(manager.engine_states.remote()) == ["healthy", "needs_weights"]
+    finally:
+        for h in [*handles, manager]:
+            ray.kill(h)
+
+
+def test_an_engine_restarted_during_the_sync_is_synced_at_its_new_address(ray_local) -> None:
+    """The manager's health check restarted engine 1 while the trainer pushed (the push failed on its old
+    address): the fleet re-forms the sync over both engines at their current addresses and pushes again, rather
+    than failing the run; a failure on engines that all stayed where they were still fails it."""
+    ray = ray_local
+    fleet, manager, handles, groups = make_fleet(ray, ["up", "up"])
+    try:
+        ray.get(handles[1].restart.remote())
+        fleet.weight_sync.failures = 1
+        fleet.push(1)
+        assert groups == [[0, 1], [0, 1]] and fleet.synced == [0, 1] and fleet.weight_sync.pushed == [1]
+        assert ray.get(manager.log.remote()) == []  # nobody was reported dead or held back
+        fleet.publish(1)
+        assert ray.get(manager.versions.remote()) == [1, 1]
+        assert fleet.urls == ["http://127.0.0.1:9000", "http://127.0.0.1:9101"]
+
+        fleet.weight_sync.failures = 1  # both engines are where the group was formed: a real failure
+        with pytest.raises(WeightSyncError, match="an engine did not answer"):
+            fleet.push(2)
+        assert len(groups) == 2
     finally:
         for h in [*handles, manager]:
             ray.kill(h)
