@@ -293,7 +293,7 @@ class UpdateWeightVersion(_Body):
     """``POST /update_weight_version``: label the served weights ``new_version`` (SGLang aborts what is in flight
     first unless ``abort_all_requests`` is false)."""
 
-    new_version: str
+    new_version: str = Field(min_length=1)
     abort_all_requests: bool = True
 
     @field_validator("new_version", mode="before")

@@ -380,6 +380,21 @@ def test_bad_json_and_bad_control_requests_answer_400(server):
         timeout=30,
     )
     assert r.status_code == 400 and "init_weights_update_group" in r.json()["error"]["message"]
+    for body in ({}, {"new_version": ""}, {"new_version": True}, {"new_version": "3", "abort_all_requests": "no"}):
+        r = httpx.post(f"{server}/update_weight_version", json=body, timeout=30)
+        field = "abort_all_requests" if "abort_all_requests" in body else "new_version"
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (body, r.text)
+
+
+def test_update_weight_version_labels_the_weights_as_the_protocol_reads_it(server):
+    before = httpx.get(f"{server}/get_weight_version", timeout=30).json()["weight_version"]
+    try:
+        r = httpx.post(f"{server}/update_weight_version", json={"new_version": 7, "abort_all_requests": False},
+                       timeout=30)
+        assert r.status_code == 200 and r.json()["new_version"] == "7"
+        assert httpx.get(f"{server}/get_weight_version", timeout=30).json()["weight_version"] == "7"
+    finally:
+        httpx.post(f"{server}/update_weight_version", json={"new_version": str(before)}, timeout=30)
 
 
 def test_health_model_info_and_flush_cache(server, model_path):

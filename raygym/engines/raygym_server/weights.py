@@ -142,15 +142,12 @@ class WeightRoutes:
 
     @handles_errors
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
-        version = body.get("new_version")
-        if not isinstance(version, (str, int)) or isinstance(version, bool) or str(version) == "":
-            raise BadRequest("new_version: required, a non-empty string")
-        if body.get("abort_all_requests", True) is not False:
+        req = await parse(request, protocol.UpdateWeightVersion)
+        if req.abort_all_requests:
             self.engine.abort(abort_all=True, message="aborted for a weight version update")
-        self.receiver.weight_version = str(version)
-        return web.json_response({"success": True, "message": f"Weight version updated to {version}",
-                                  "new_version": str(version)})
+        self.receiver.weight_version = req.new_version
+        return web.json_response({"success": True, "message": f"Weight version updated to {req.new_version}",
+                                  "new_version": req.new_version})
 
     @handles_errors
     async def weights_checksum(self, request: web.Request) -> web.Response:

@@ -486,13 +486,10 @@ class VllmAdapter:
 
     @handles_errors
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
-        version = body.get("new_version")
-        if not isinstance(version, (str, int)) or isinstance(version, bool) or str(version) == "":
-            raise BadRequest("new_version: required, a non-empty string")
-        self.weight_version = str(version)
+        req = await parse(request, protocol.UpdateWeightVersion)
+        self.weight_version = req.new_version
         await self.llm.update_weight_version(self.weight_version)
-        return web.json_response({"success": True, "message": f"Weight version updated to {version}",
+        return web.json_response({"success": True, "message": f"Weight version updated to {req.new_version}",
                                   "new_version": self.weight_version})
 
 
