@@ -66,7 +66,8 @@ def test_every_sglang_field_becomes_its_flag():
     for flag, values in expect.items():
         assert flag_values(argv, flag) == values, flag
     for flag in ("--enable-dp-attention", "--enable-dp-lm-head", "--disable-custom-all-reduce",
-                 "--trust-remote-code", "--enable-memory-saver"):  # the recipe is colocated: memory saver on GPU
+                 "--trust-remote-code", "--enable-memory-saver",  # the recipe is colocated: memory saver on GPU
+                 "--sleep-on-idle"):  # an idle scheduler leaves the trainer its cores
         assert flag in argv and flag_values(argv, flag) == []
     assert argv.count("--mem-fraction-static") == 1
     assert "--config" not in argv and "--skip-server-warmup" not in argv and "--device" not in argv
@@ -162,3 +163,12 @@ def test_raygym_server_argv_parses_with_the_server_parser():
         "builtin:tiny-qwen3", "127.0.0.1", 31000, "cpu", 32)
     assert (args.custom_weight_loader, args.weight_version, args.seed, args.weight_update_timeout,
             args.weight_source) == ([DELTA_LOADER], "5", 7, 60.0, ["/shared/sync"])
+
+
+def test_an_idle_scheduler_sleeps_unless_the_sglang_config_says_otherwise():
+    for device in ("cpu", "cuda"):
+        argv = build_sglang_argv(Recipe(), model_path="m", host="127.0.0.1", port=1, device=device)
+        assert argv.count("--sleep-on-idle") == 1
+    own = build_sglang_argv(Recipe(sglang_config={"sleep_on_idle": False}), model_path="m", host="127.0.0.1", port=1,
+                            config_path="/tmp/sglang.yaml")
+    assert "--sleep-on-idle" not in own
