@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from aiohttp import web
+
+from raygym.engine_api import protocol
+from raygym.engines.serving.http import BadRequest, handles_errors, parse, result_response
 from raygym.errors import ConfigError
 
 # The ranks vLLM's LoRA kernels are built for (vllm/config/lora.py MaxLoRARanks, 0.32): max_lora_rank is one of them.
@@ -59,6 +63,31 @@ class VllmLora:
         if request is None:
             raise KeyError(name)
         await self.llm.remove_lora(request.lora_int_id)
+
+    def loaded(self) -> dict[str, str]:
+        """Name -> adapter directory of what is served."""
+        return {n: r.lora_path for n, r in self.requests.items()}
+
+    @handles_errors
+    async def load_route(self, request: web.Request) -> web.Response:
+        """``POST /load_lora_adapter``: SGLang's answer, ``success`` false with the reason when vLLM refuses."""
+        req = await parse(request, protocol.LoadLoRAAdapter)
+        try:
+            await self.load(req.lora_name, req.lora_path)
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {str(exc)[:1000]}"
+            return result_response({"success": False, "error_message": why, "message": why})
+        return result_response({"success": True, "loaded_adapters": self.loaded()})
+
+    @handles_errors
+    async def unload_route(self, request: web.Request) -> web.Response:
+        """``POST /unload_lora_adapter``: a name not loaded is a 400 naming what is."""
+        req = await parse(request, protocol.UnloadLoRAAdapter)
+        try:
+            await self.unload(req.lora_name)
+        except KeyError:
+            raise BadRequest(f"lora_name={req.lora_name!r}: not loaded (loaded: {sorted(self.requests)})") from None
+        return result_response({"success": True, "loaded_adapters": self.loaded()})
 
     def request_for(self, name: str | None) -> Any:
         """The ``LoRARequest`` a generation names (None: the base model); KeyError for a name not loaded."""

@@ -132,7 +132,7 @@ class VllmAdapter:
             Endpoint.UPDATE_WEIGHTS_FROM_TENSOR: self.update_weights_from_tensor,
             Endpoint.UPDATE_WEIGHT_VERSION: self.update_weight_version,
             Endpoint.RAYGYM_WEIGHTS_CHECKSUM: self.weights_checksum,
-            Endpoint.LOAD_LORA_ADAPTER: self.load_lora_adapter, Endpoint.UNLOAD_LORA_ADAPTER: self.unload_lora_adapter,
+            Endpoint.LOAD_LORA_ADAPTER: self.lora.load_route, Endpoint.UNLOAD_LORA_ADAPTER: self.lora.unload_route,
         })
         return app
 
@@ -218,16 +218,19 @@ class VllmAdapter:
         ``HEALTH_GENERATE_TIMEOUT_S``. While generation is paused (a weight update) the probe waits in line, as on
         SGLang: a pause is the trainer's doing, not a sign that the server is broken."""
         if self.llm.errored or self.released or await self.llm.is_sleeping():
-            return web.Response(status=503, text="memory is released or the engine sleeps\n")
+            return _unhealthy("the engine errored, released its memory or sleeps")
         job = SampleJob(0, f"HEALTH_CHECK_{uuid.uuid4().hex}", 0, 1, [0],
                         {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}, False, -1, None, False)
         try:
             answer = await asyncio.wait_for(last(self._updates(job, None, False)), HEALTH_GENERATE_TIMEOUT_S)
-        except (asyncio.TimeoutError, RuntimeError):
-            return web.Response(status=503)
+        except asyncio.TimeoutError:
+            return _unhealthy(f"no token in {HEALTH_GENERATE_TIMEOUT_S:.0f} s")
+        except RuntimeError as exc:
+            return _unhealthy(f"{type(exc).__name__}: {exc}")
         # A probe a pause aborted was still answered by the scheduler: healthy, as SGLang counts any answer.
-        healthy = answer.finish_type != "abort" or not (self.released or await self.llm.is_sleeping())
-        return web.Response(status=200 if healthy else 503)
+        if answer.finish_type == "abort" and (self.released or await self.llm.is_sleeping()):
+            return _unhealthy("the probe was aborted and the engine released its memory")
+        return web.Response(status=200)
 
     async def model_info(self, request: web.Request) -> web.Response:
         import vllm
@@ -465,25 +468,6 @@ class VllmAdapter:
             raise BadRequest("shadow=true: vLLM's adapter loads no shadow copy")
         return web.json_response(await received_checksums(self.llm, req.names, self.weight_version))
 
-    # ----- LoRA adapters -----
-    @handles_errors
-    async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        req = await parse(request, protocol.LoadLoRAAdapter)
-        try:
-            await self.lora.load(req.lora_name, req.lora_path)
-        except Exception as exc:
-            return result_response({"success": False, "error_message": _why(exc), "message": _why(exc)})
-        return result_response({"success": True, "loaded_adapters": {n: r.lora_path for n, r in self.lora.requests.items()}})
-
-    @handles_errors
-    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        req = await parse(request, protocol.UnloadLoRAAdapter)
-        try:
-            await self.lora.unload(req.lora_name)
-        except KeyError:
-            raise BadRequest(f"lora_name={req.lora_name!r}: not loaded (loaded: {sorted(self.lora.requests)})") from None
-        return result_response({"success": True, "loaded_adapters": {n: r.lora_path for n, r in self.lora.requests.items()}})
-
     @handles_errors
     async def update_weight_version(self, request: web.Request) -> web.Response:
         req = await parse(request, protocol.UpdateWeightVersion)
@@ -491,6 +475,12 @@ class VllmAdapter:
         await self.llm.update_weight_version(self.weight_version)
         return web.json_response({"success": True, "message": f"Weight version updated to {req.new_version}",
                                   "new_version": self.weight_version})
+
+
+def _unhealthy(reason: str) -> web.Response:
+    """A failed ``/health_generate``, with its reason in the engine's log and in the answer."""
+    log.warning("/health_generate: unhealthy: %s", reason)
+    return web.Response(status=503, text=reason + "\n")
 
 
 def _ok(message: str) -> web.Response:
