@@ -77,6 +77,7 @@ from raygym.engines.serving.http import (
     server_info_body,
 )
 from raygym.engines.vllm import protocol as vp
+from raygym.engines.vllm.idle import READER_SPIN_ENV
 
 log = logging.getLogger("raygym.engines.vllm.server")
 
@@ -545,6 +546,8 @@ async def serve(args: argparse.Namespace) -> None:
         dtype = cpu_dtype(args.dtype, facts["dtype"], flags)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_gib(
             facts["kv_bytes_per_token"], args.max_num_seqs, max_len or 4096)))
+        # the workers' batch-queue spin after each batch takes a core the trainer needs (raygym.engines.vllm.idle)
+        os.environ.setdefault(READER_SPIN_ENV, "0.05")
     from raygym.engines.vllm.lora import lora_engine_args
 
     lora_args = lora_engine_args(args.lora_rank) if args.lora_rank > 0 else {}

@@ -50,11 +50,14 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from raygym.engines.serving.weight_receiver import destroy_group
+from raygym.engines.vllm.idle import bound_reader_spin_from_env
 from raygym.errors import WeightSyncError
 from raygym.weightsync.codec import checksum, dtype_from_name
 from raygym.weightsync.loader import HostSnapshot
 from raygym.weightsync.tensor_pickle import loads_named_tensors
 from raygym.weightsync.transport_dist import join_group, receive_flattened, receive_tensors
+
+bound_reader_spin_from_env()  # this module loads in every worker before its batch queue is made
 
 BACKEND = "raygym"
 SOURCES = ("group", "disk", "tensors")
