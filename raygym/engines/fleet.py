@@ -113,12 +113,12 @@ class EngineFleet:
             moved = self._moved(live)  # restarted while the sync ran (the manager's health check): a new address
             if not live or (len(live) == len(self.synced) and not moved):
                 raise
-            if moved:
-                self.say(f"[yellow]engines {moved} restarted during the weight sync: re-forming it over engines "
-                         f"{live}[/]")
+            if moved:  # the manager's restart may still be starting it: wait for it, then re-form over the live
+                self.say(f"[yellow]engines {moved} restarted during the weight sync: re-forming it[/]")
+                out.update(self.recover())
             else:
                 self.say(f"[yellow]weight sync failed on a dead engine: syncing engines {live}[/]")
-            self._rebuild(live)
+                self._rebuild(live)
             out.update(self.weight_sync.push(version))
             out["sync/engine_rebuilds"] = float(self.rebuilds)
         self._hold_back_missed()

@@ -188,11 +188,13 @@ def test_an_engine_restarted_during_the_sync_is_synced_at_its_new_address(ray_lo
     ray = ray_local
     fleet, manager, handles, groups = make_fleet(ray, ["up", "up"])
     try:
-        ray.get(handles[1].restart.remote())
+        ray.get(manager.report_engine_failure.remote(1, "/health_generate failed"))  # the manager's health check
+        ray.get(handles[1].restart.remote())  # ... restarts it: a new server on another port
+        ray.get(manager.restart_done.remote(1))  # back, without traffic until a sync reaches it
         fleet.weight_sync.failures = 1
         fleet.push(1)
         assert groups == [[0, 1], [0, 1]] and fleet.synced == [0, 1] and fleet.weight_sync.pushed == [1]
-        assert ray.get(manager.log.remote()) == []  # nobody was reported dead or held back
+        assert ray.get(manager.log.remote()) == [("failed", 1)]  # only the health check's report: nobody held back
         fleet.publish(1)
         assert ray.get(manager.versions.remote()) == [1, 1]
         assert fleet.urls == ["http://127.0.0.1:9000", "http://127.0.0.1:9101"]
