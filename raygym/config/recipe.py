@@ -18,7 +18,7 @@ from raygym.config import recipe_checks
 from raygym.config.constants import CUSTOM_FUNCTION_FIELDS
 from raygym.config.flags import encode_section
 from raygym.config.recipe_fields import RecipeFields
-from raygym.config.schedule import Schedule, schedule_fields, schedule_of
+from raygym.config.schedule import Schedule, schedule_of, spell_schedule
 from raygym.config.sections import ModelConfig
 
 
@@ -37,10 +37,7 @@ class Recipe(RecipeFields):
     @classmethod
     def _spell_schedule(cls, data: Any) -> Any:
         """``schedule=`` (a name or a :data:`~raygym.config.schedule.Schedule`) is a spelling of the flat fields."""
-        if isinstance(data, dict) and "schedule" in data:
-            data = dict(data)
-            data.update(schedule_fields(data.pop("schedule"), data))
-        return data
+        return spell_schedule(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _validate(self) -> Recipe:

@@ -78,6 +78,18 @@ def schedule_of(*, async_mode: bool, fully_async: bool, max_staleness: int, stal
     return OneStepOff() if async_mode else Sync()
 
 
+def spell_schedule(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with a ``schedule`` entry replaced by the flat fields it stands for (unchanged without one).
+
+    >>> spell_schedule({"schedule": "fully_async", "max_staleness": 3})
+    {'max_staleness': 3, 'async_mode': False, 'fully_async': True}
+    """
+    if "schedule" not in fields:
+        return fields
+    rest = {k: v for k, v in fields.items() if k != "schedule"}
+    return {**rest, **schedule_fields(fields["schedule"], rest)}
+
+
 def schedule_fields(spelled: Any, given: dict[str, Any]) -> dict[str, Any]:
     """The flat recipe fields a ``schedule`` value stands for: a name (``"fully_async"``) or a :data:`Schedule`
     (which also carries ``FullyAsync``'s bound and policy). ``given``: the fields passed beside it; a mode field

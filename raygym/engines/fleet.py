@@ -212,10 +212,11 @@ class EngineFleet:
         """Those of ``indexes`` whose server is no longer at the address the weight sync was formed with."""
         import ray
 
+        refs = {i: self.engines.handles[i].url.remote() for i in indexes}  # asked at once
         moved = []
-        for i in indexes:
+        for i, ref in refs.items():
             try:
-                url = ray.get(self.engines.handles[i].url.remote(), timeout=ALIVE_TIMEOUT_S)
+                url = ray.get(ref, timeout=ALIVE_TIMEOUT_S)
             except (ray.exceptions.RayError, RaygymError):  # mid-restart: no address yet
                 url = ""
             if url != self.urls[i]:

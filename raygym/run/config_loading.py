@@ -12,7 +12,7 @@ from raygym import presets
 from raygym.builtin import BUILTIN_PREFIX, is_builtin
 from raygym.config.flags import FLAGS, RUN_FIELDS, SECTION_MODELS, SECTIONS, parse_flags
 from raygym.config.run import TrainConfig
-from raygym.config.schedule import schedule_fields
+from raygym.config.schedule import spell_schedule
 from raygym.errors import ConfigError
 
 _VALUE_FLAGS = {f"--{s.flag}" for s in FLAGS if s.kind != "bool"} | {"--preset"}
@@ -102,15 +102,6 @@ def load_toml(path: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _spell_schedule(recipe_layer: dict[str, Any]) -> dict[str, Any]:
-    """One layer's ``schedule`` as the mode fields it stands for, so that a later layer's schedule (or flag)
-    overrides an earlier one's and the preset's; a field of the same layer that contradicts it is a ConfigError."""
-    if "schedule" not in recipe_layer:
-        return recipe_layer
-    rest = {k: v for k, v in recipe_layer.items() if k != "schedule"}
-    return {**rest, **schedule_fields(recipe_layer["schedule"], rest)}
-
-
 def load_train_config(args: Sequence[str]) -> TrainConfig:
     """The config a command line describes: ``[--preset NAME] [@ run.toml] [--flag value ...]``, as
     ``raygym train`` reads it. Layers, later wins: the preset (``tiny`` when no preset is given anywhere and
@@ -128,9 +119,9 @@ def load_train_config(args: Sequence[str]) -> TrainConfig:
         loaded = load_toml(path)
         preset_name = loaded["preset"].get("name", preset_name)
         for section in SECTIONS:
-            layers[section].update(_spell_schedule(loaded[section]) if section == "recipe" else loaded[section])
+            layers[section].update(spell_schedule(loaded[section]) if section == "recipe" else loaded[section])
     flag_preset, flag_layers = parse_flags(flag_args)
-    flag_layers["recipe"] = _spell_schedule(flag_layers["recipe"])
+    flag_layers["recipe"] = spell_schedule(flag_layers["recipe"])
     preset_name = flag_preset if flag_preset is not None else preset_name
     for section in SECTIONS:
         layers[section].update(flag_layers[section])

@@ -144,12 +144,10 @@ def loads_at_import(path: Path, packages: tuple[str, ...]) -> bool:
                 return True
             if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in packages:
                 return True
-            for field in ("body", "orelse", "finalbody", "handlers"):
-                inner = getattr(node, field, None)
-                if isinstance(inner, list) and inner and walk([n for n in inner if isinstance(n, ast.stmt)]
-                                                              + [s for h in inner if isinstance(h, ast.excepthandler)
-                                                                 for s in h.body]):
-                    return True
+            nested = [*getattr(node, "body", []), *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                      *(s for h in getattr(node, "handlers", []) for s in h.body)]
+            if walk([n for n in nested if isinstance(n, ast.stmt)]):
+                return True
         return False
 
     return walk(ast.parse(path.read_text(), str(path)).body)
