@@ -1,16 +1,25 @@
 """End-to-end step time: per-phase split, sync vs async, and TRL's GRPOTrainer, per model size.
 
-Model sizes (``--models``, both random Qwen3s with the builtin character tokenizer, next-digit task,
-16 prompts x 8 samples):
+Model sizes (``--models``, random Qwen3s with the builtin character tokenizer, 16 prompts x 8 samples):
 
 - ``ref`` (the headline scale): ~2.6M parameters (hidden 256, 4 layers,
   intermediate 512), 16 new tokens;
+- ``compute``: ~10.6M parameters (hidden 384, 6 layers, intermediate 1024), 64 new tokens: the model's
+  compute, not fixed costs, is most of a step. A random model ends a response with probability ~1/50 per
+  token, so response lengths spread from a few tokens to the cap (a long tail even before training):
+  what continuous batching (no decoding for finished rows) and length-packed micro-batches are for, against
+  HF ``generate`` and a batch padded to its longest completion;
 - ``tiny``: the ``tiny`` preset's ~80K-parameter model, 8 new tokens.
+
+Tasks (``--tasks``): ``next-digit`` (``builtin:next-digit``, the default) and ``long-tail``
+(``builtin:long-tail``: most answers 1-3 tokens, one prompt in eight asks for 32-56); every size runs every task.
 
 Figures (one JSON line each, with the machine):
 
 - ``raygym_step_split_<mode>``: mean seconds per step and per phase (rollout wait, log-probs, train,
   sync, eval, other = control overhead) over the measured steps, and other's share of the step;
+- ``trl_step_split``: TRL's step split the same way, beside raygym's sync split (``generate_s`` against
+  ``rollout_s``, ``train_s`` against ``train_s``; see ``benchmarks/trl_baseline.py``), and samples/s of both;
 - ``async_vs_sync_step_s``, ``fully_async_vs_sync_step_s``: one-step-off (``--async-mode``) and fully
   asynchronous (``--fully-async --use-tis``, max_staleness 2) step time against the sync step time of the same run;
 - ``raygym_vs_trl_step_s`` / ``raygym_async_vs_trl_step_s`` / ``raygym_fully_async_vs_trl_step_s``: raygym's
@@ -28,6 +37,8 @@ Create that interpreter once with::
     python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install trl
 
     python benchmarks/e2e.py --steps 12 --models ref,tiny --trl-python .venv-trl/bin/python
+    python benchmarks/e2e.py --steps 8 --models compute --tasks long-tail,next-digit --modes sync \
+        --trl-python .venv-trl/bin/python
 
 Every figure carries ``model`` (the size's name), ``params`` and the setup.
 """
@@ -61,8 +72,12 @@ def machine() -> dict[str, Any]:
 MODEL_SIZES: dict[str, tuple[dict[str, Any], int]] = {
     "ref": ({"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512, "num_attention_heads": 4,
              "num_key_value_heads": 4, "head_dim": 64}, 16),
+    "compute": ({"hidden_size": 384, "num_hidden_layers": 6, "intermediate_size": 1024, "num_attention_heads": 6,
+                 "num_key_value_heads": 6, "head_dim": 64}, 64),
     "tiny": ({}, 8),
 }
+TASKS = ("next-digit", "long-tail")
+REWARD_TYPES = {"next-digit": "next_digit", "long-tail": "long_tail"}
 
 
 def write_model(name: str, directory: Path) -> tuple[str, int]:
@@ -75,21 +90,20 @@ def write_model(name: str, directory: Path) -> tuple[str, int]:
     return path, sum(p.numel() for p in model.parameters())
 
 
-def bench_recipe(max_new_tokens: int, **overrides: Any):
+def bench_recipe(max_new_tokens: int, task: str = "next-digit", **overrides: Any):
     from raygym import Recipe
     from raygym.presets import tiny
 
     fields = {**tiny().model_dump(), "save_interval": 10**6, "rollout_max_response_len": max_new_tokens,
-              "eval_max_response_len": max_new_tokens, **overrides}
+              "eval_max_response_len": max_new_tokens, "rm_type": REWARD_TYPES[task], **overrides}
     return Recipe(**fields)
 
 
-def bench_config(out: Path, model_path: str, recipe: Any):
+def bench_config(out: Path, model_path: str, recipe: Any, task: str = "next-digit"):
     from raygym import DatasetConfig, ModelConfig, TrainConfig
-    from raygym.builtin import NEXT_DIGIT_TASK
 
     return TrainConfig(recipe=recipe, model=ModelConfig(hf_checkpoint=model_path),
-                       dataset=DatasetConfig(prompt_data=NEXT_DIGIT_TASK), output_dir=str(out))
+                       dataset=DatasetConfig(prompt_data=f"builtin:{task}"), output_dir=str(out))
 
 
 def split(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
@@ -110,18 +124,19 @@ def split(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
     return out
 
 
-def run_raygym(mode: str, steps: int, work: Path, model_path: str, max_new_tokens: int) -> list[dict[str, Any]]:
+def run_raygym(mode: str, steps: int, work: Path, model_path: str, max_new_tokens: int,
+               task: str = "next-digit") -> list[dict[str, Any]]:
     from raygym.run.driver import train
 
-    recipe = bench_recipe(max_new_tokens, num_rollout=steps, async_mode=(mode == "async"),
+    recipe = bench_recipe(max_new_tokens, task, num_rollout=steps, async_mode=(mode == "async"),
                           fully_async=(mode == "fully_async"), use_tis=(mode == "fully_async"))
     with contextlib.redirect_stdout(sys.stderr):  # progress lines to stderr: stdout carries only JSON lines
-        result = train(bench_config(work / mode, model_path, recipe))
+        result = train(bench_config(work / mode, model_path, recipe, task))
     return result.steps
 
 
-def run_trl(python: str, model_dir: str, steps: int, warmup: int, recipe: Any) -> dict[str, Any]:
-    argv = [python, str(REPO_ROOT / "benchmarks" / "trl_baseline.py"), "--model-dir", model_dir,
+def run_trl(python: str, model_dir: str, steps: int, warmup: int, recipe: Any, task: str) -> dict[str, Any]:
+    argv = [python, str(REPO_ROOT / "benchmarks" / "trl_baseline.py"), "--model-dir", model_dir, "--task", task,
             "--prompts", str(recipe.rollout_batch_size), "--group", str(recipe.n_samples_per_prompt),
             "--max-new-tokens", str(recipe.rollout_max_response_len), "--lr", str(recipe.lr),
             "--steps", str(steps), "--warmup", str(warmup), "--seed", str(recipe.seed)]
@@ -136,21 +151,23 @@ def emit(figure: str, info: dict[str, Any], **values: Any) -> None:
     print(json.dumps({"figure": figure, **values, "machine": info}), flush=True)
 
 
-def bench_model(name: str, work: Path, args: argparse.Namespace, info: dict[str, Any]) -> None:
-    """Every figure of model size ``name``: TRL, raygym per mode, TRL again; async vs sync; raygym vs TRL.
+def bench_model(name: str, task: str, work: Path, args: argparse.Namespace, info: dict[str, Any]) -> None:
+    """Every figure of model size ``name`` on ``task``: TRL, raygym per mode, TRL again; async vs sync; raygym
+    vs TRL, step time, phase by phase, and samples/s.
 
     TRL runs before and after raygym and its baseline is the mean of the two, so a machine that drifts
     during the benchmark (a shared 2-core VM measured the same decode at 0.25-0.45 s within an hour)
     moves both sides of the ratio; ``trl.spread`` (slower / faster run) says how much it drifted."""
     model_path, params = write_model(name, work / "models")
     max_new_tokens = MODEL_SIZES[name][1]
-    recipe = bench_recipe(max_new_tokens)
-    setup = {"model": name, "params": params, "prompts": recipe.rollout_batch_size,
+    recipe = bench_recipe(max_new_tokens, task)
+    samples = recipe.rollout_batch_size * recipe.n_samples_per_prompt
+    setup = {"model": name, "params": params, "task": f"builtin:{task}", "prompts": recipe.rollout_batch_size,
              "group": recipe.n_samples_per_prompt, "max_new_tokens": max_new_tokens, "lr": recipe.lr}
-    trl_runs = [run_trl(args.trl_python, model_path, args.steps, args.warmup, recipe)] if args.trl_python else []
+    trl_runs = [run_trl(args.trl_python, model_path, args.steps, args.warmup, recipe, task)] if args.trl_python else []
     results: dict[str, dict[str, float]] = {}
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        rows = run_raygym(mode, args.steps, work, model_path, max_new_tokens)
+        rows = run_raygym(mode, args.steps, work, model_path, max_new_tokens, task)
         results[mode] = split(rows, args.warmup)
         emit(f"raygym_step_split_{mode}", info, **results[mode], setup=setup)
     for mode in ("async", "fully_async"):
@@ -161,10 +178,17 @@ def bench_model(name: str, work: Path, args: argparse.Namespace, info: dict[str,
         print("# TRL figures skipped: pass --trl-python or set TRL_PYTHON (see this script's docstring)",
               file=sys.stderr)
         return
-    trl_runs.append(run_trl(args.trl_python, model_path, args.steps, args.warmup, recipe))
+    trl_runs.append(run_trl(args.trl_python, model_path, args.steps, args.warmup, recipe, task))
     seconds = [r["trl_seconds_per_step"] for r in trl_runs]
     base = sum(seconds) / len(seconds)
     trl = {"trl_seconds_per_step": base, "runs": trl_runs, "spread": max(seconds) / min(seconds)}
+    trl_phases = {k: sum(r["phases"][k] for r in trl_runs) / len(trl_runs) for k in trl_runs[0]["phases"]}
+    raygym_sync = results.get("sync", {})
+    emit("trl_step_split", info, step_s=base, **trl_phases, samples_per_s=samples / base,
+         raygym_sync={k: raygym_sync[k] for k in ("step_s", "rollout_s", "train_s", "sync_s", "other_s")
+                      if k in raygym_sync},
+         raygym_sync_samples_per_s=samples / raygym_sync["step_s"] if raygym_sync else None,
+         samples_per_s_ratio=base / raygym_sync["step_s"] if raygym_sync else None, setup=setup)
     for mode, figure in (("sync", "raygym_vs_trl_step_s"), ("async", "raygym_async_vs_trl_step_s"),
                          ("fully_async", "raygym_fully_async_vs_trl_step_s")):
         if mode in results:
@@ -180,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="interpreter with trl installed (default: $TRL_PYTHON; unset = skip TRL)")
     p.add_argument("--modes", default="sync,async,fully_async", help="comma-separated: sync, async, fully_async")
     p.add_argument("--models", default="ref,tiny", help=f"comma-separated model sizes: {', '.join(MODEL_SIZES)}")
+    p.add_argument("--tasks", default="next-digit", help=f"comma-separated builtin tasks: {', '.join(TASKS)}")
     args = p.parse_args(argv)
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -190,12 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(models) - set(MODEL_SIZES))
     if unknown:
         p.error(f"--models: unknown size(s) {unknown}; use {', '.join(MODEL_SIZES)}")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if unknown_tasks := sorted(set(tasks) - set(TASKS)):
+        p.error(f"--tasks: unknown task(s) {unknown_tasks}; use {', '.join(TASKS)}")
     ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2) + 4, num_gpus=4, include_dashboard=False,
              log_to_driver=False)  # one Ray for every run: train() attaches to it
     try:
         with tempfile.TemporaryDirectory(prefix="raygym-bench-e2e-") as tmp:
             for name in models:
-                bench_model(name, Path(tmp) / name, args, info)
+                for task in tasks:
+                    bench_model(name, task, Path(tmp) / name / task, args, info)
     finally:
         ray.shutdown()
     return 0

@@ -1,14 +1,19 @@
-"""Requests/s and time to first token through ``raygym serve`` (Ray Serve proxy + replica + OpenAI front +
-EngineActor) vs the same engine's ``/generate`` called directly with :class:`~raygym.engine_api.client.EngineClient`.
+"""Requests/s and time to first token through ``raygym serve`` vs the same engine's ``/generate`` called directly
+with :class:`~raygym.engine_api.client.EngineClient`, for each ``--frontends``: ``direct`` (the one-box server,
+``raygym.serve.direct``: the OpenAI front under uvicorn in the serving process, what one replica without a Ray
+cluster gets) and ``ray-serve`` (Ray Serve's proxy + a replica holding the front + EngineActor).
 
 Both sides send the same ``--requests`` completion requests (one prompt, at most ``--new-tokens`` tokens,
 greedy, so both generate the same tokens) with ``--concurrency`` in flight, to one raygym-server engine of the
 builtin tiny model on CPU. The baseline engine runs in this process's own EngineActor; the served one inside a
 Serve replica of a private local Ray. The ratio served/direct is the figure: what the OpenAI front and Serve's
 HTTP proxy cost per request. Time to first token (``--ttft-requests`` streamed requests, one at a time):
-through the ``openai`` client's ``stream=True`` against the engine's own stream (``stream: true``).
+a streamed completion (``stream: true``, server-sent events) against the engine's own stream. Both sides use
+aiohttp clients (the engine's :class:`EngineClient` is aiohttp), so the ratio is the server's cost; the
+``openai`` client against ``raygym serve`` is tested in ``tests/e2e/test_after_training.py``.
 
-    python benchmarks/serve.py [--requests 128] [--concurrency 8] [--new-tokens 8] [--repeats 3]
+    python benchmarks/serve.py [--requests 128] [--concurrency 8] [--new-tokens 8] [--repeats 3] \
+        [--frontends direct,ray-serve]
 
 Prints one JSON object per line.
 """
@@ -56,10 +61,11 @@ def direct(model_dir: str, texts: list[str], new_tokens: int, concurrency: int, 
     from raygym.engine_api.client import EngineClient
     from raygym.engine_api.protocol import GenerateRequest
     from raygym.engines.actor import EngineActor
-    from raygym.presets import tiny
+    from raygym.serve.deployment import engine_recipe
 
     tok = build_tokenizer()
-    engine = EngineActor(tiny().replace(sglang_max_running_requests=64), engine_index=0, model_path=model_dir,
+    recipe = engine_recipe({"sglang_max_running_requests": 64, "rollout_num_gpus_per_engine": 1})  # as serve's
+    engine = EngineActor(recipe, engine_index=0, model_path=model_dir,
                          gpu_ids=[], backend="raygym", device="cpu", log_dir=tempfile.mkdtemp(prefix="bench-serve-"))
     engine.start()
 
@@ -88,54 +94,82 @@ def direct(model_dir: str, texts: list[str], new_tokens: int, concurrency: int, 
 
 
 def served(model_dir: str, texts: list[str], new_tokens: int, concurrency: int, repeats: int,
-           ttft_requests: int) -> tuple[list[float], list[float]]:
-    """(seconds per repeat, time to first token per streamed request) through ``raygym serve``."""
-    import httpx
-    import openai
+           ttft_requests: int, frontend: str) -> tuple[list[float], list[float]]:
+    """(seconds per repeat, time to first token per streamed request) through ``raygym serve``, run as users
+    run it (its own process: the clients here never share an interpreter with the front)."""
+    import queue
+    import re
+    import signal
+    import subprocess
 
-    from raygym.serve.deployment import ServeSettings, run_server
+    import aiohttp
+    import httpx
 
     port = 18000 + os.getpid() % 1000
-    settings = ServeSettings(model_dir=model_dir, model_name="tiny", engine="raygym", gpus_per_replica=0,
-                             max_ongoing_requests=64, engine_settings={"sglang_max_running_requests": 64})
-    stop = threading.Event()
-    seconds: list[float] = []
-    firsts: list[float] = []
+    env = {**os.environ, "RAYGYM_SERVE_API_KEY": KEY, "RAY_AUTH_MODE": "disabled",
+           "RAY_TMPDIR": tempfile.mkdtemp(prefix="bench-serve-ray-")}
+    proc = subprocess.Popen([sys.executable, "-m", "raygym", "serve", model_dir, "--engine", "raygym", "--port",
+                             str(port), "--frontend", frontend, "--max-ongoing-requests", "64",
+                             "--gpus-per-replica", "0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines: queue.Queue[str | None] = queue.Queue()
 
-    def measure(endpoint) -> None:  # runs once the deployment answers; the server then stops
+    def pump() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    printed: list[str] = []
+    try:
+        url = None
+        while url is None:
+            line = lines.get(timeout=300)
+            if line is None:
+                raise RuntimeError("raygym serve exited:\n" + "".join(printed)[-3000:])
+            printed.append(line)
+            match = re.search(r"serving \S+ at (http://\S+/v1)", line)
+            url = match.group(1) if match else None
+        headers = {"Authorization": f"Bearer {KEY}"}
+        model = httpx.get(f"{url}/models", headers=headers).json()["data"][0]["id"]
+
+        # aiohttp, as the baseline's EngineClient: the ratio is the server's cost, not two client libraries'
+        # (httpx.AsyncClient on this side measured 0.77 where aiohttp measures 0.84, same server)
         async def run(count: int | None = None) -> float:
-            async with httpx.AsyncClient(base_url=endpoint.url, headers={"Authorization": f"Bearer {KEY}"},
-                                         timeout=120) as client:
+            async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=120)) as client:
                 async def send(i: int, text: str) -> None:
-                    r = await client.post("/completions", json={"model": "tiny", "prompt": text, "temperature": 0,
-                                                                "max_tokens": new_tokens})
-                    r.raise_for_status()
+                    async with client.post(f"{url}/completions", json={
+                            "model": model, "prompt": text, "temperature": 0, "max_tokens": new_tokens}) as r:
+                        r.raise_for_status()
+                        await r.read()
                 return await _drive(send, texts[:count] if count else texts, concurrency)
 
         async def first_tokens() -> list[float]:
-            client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=KEY, max_retries=0)
             out = []
-            for text in texts[:ttft_requests]:
-                start = time.perf_counter()
-                stream = await client.completions.create(model="tiny", prompt=text, temperature=0,
-                                                         max_tokens=new_tokens, stream=True)
-                async for chunk in stream:
-                    if chunk.choices and chunk.choices[0].text:
-                        out.append(time.perf_counter() - start)
-                        break
-                await stream.close()
-            await client.close()
+            async with aiohttp.ClientSession(headers=headers) as client:
+                for text in texts[:ttft_requests]:
+                    start = time.perf_counter()
+                    async with client.post(f"{url}/completions", json={
+                            "model": model, "prompt": text, "temperature": 0, "max_tokens": new_tokens,
+                            "stream": True}) as r:
+                        r.raise_for_status()
+                        async for raw in r.content:  # server-sent events, one per line
+                            line = raw.decode().strip()
+                            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                                out.append(time.perf_counter() - start)
+                                break
             return out
 
+        asyncio.run(run(16))  # warm-up
+        seconds = [asyncio.run(run()) for _ in range(repeats)]
+        return seconds, asyncio.run(first_tokens())
+    finally:
+        proc.send_signal(signal.SIGINT)
         try:
-            asyncio.run(run(16))  # warm-up
-            seconds.extend(asyncio.run(run()) for _ in range(repeats))
-            firsts.extend(asyncio.run(first_tokens()))
-        finally:
-            stop.set()
-
-    run_server(settings, KEY, port=port, stop=stop, on_ready=measure, say=lambda _: None)
-    return seconds, firsts
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def main() -> None:
@@ -145,30 +179,32 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ttft-requests", type=int, default=16)
+    parser.add_argument("--frontends", default="direct,ray-serve", help="comma-separated: direct, ray-serve")
     args = parser.parse_args()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     model_dir = materialize_model(TINY_MODEL, tempfile.mkdtemp(prefix="bench-serve-model-"))
     texts = prompts(args.requests)
     direct_s, direct_ttft = direct(model_dir, texts, args.new_tokens, args.concurrency, args.repeats,
                                    args.ttft_requests)
-    served_s, served_ttft = served(model_dir, texts, args.new_tokens, args.concurrency, args.repeats,
-                                   args.ttft_requests)
-    d, s = statistics.median(direct_s), statistics.median(served_s)
     machine = {"cpus": os.cpu_count(), "device": "cpu", "python": platform.python_version()}
-    print(json.dumps({
-        "figure": "serve_requests_per_s", "value": args.requests / s,
-        "baseline": "engine_direct_requests_per_s", "baseline_value": args.requests / d, "ratio": d / s,
-        "requests": args.requests, "concurrency": args.concurrency, "new_tokens": args.new_tokens,
-        "seconds_served": served_s, "seconds_direct": direct_s, "machine": machine,
-    }))
-    ds, ss = statistics.median(direct_ttft), statistics.median(served_ttft)
-    print(json.dumps({
-        "figure": "serve_time_to_first_token_s", "value": ss, "baseline": "engine_direct_time_to_first_token_s",
-        "baseline_value": ds, "ratio": ss / ds, "ratio_is": "served / direct (1.0: the front adds nothing)",
-        "streamed_requests": len(served_ttft), "new_tokens": args.new_tokens, "ttft_served": served_ttft,
-        "ttft_direct": direct_ttft, "machine": machine,
-    }))
-
+    d, ds = statistics.median(direct_s), statistics.median(direct_ttft)
+    for frontend in [f.strip() for f in args.frontends.split(",") if f.strip()]:
+        served_s, served_ttft = served(model_dir, texts, args.new_tokens, args.concurrency, args.repeats,
+                                       args.ttft_requests, frontend)
+        s = statistics.median(served_s)
+        print(json.dumps({
+            "figure": "serve_requests_per_s", "frontend": frontend, "value": args.requests / s,
+            "baseline": "engine_direct_requests_per_s", "baseline_value": args.requests / d, "ratio": d / s,
+            "requests": args.requests, "concurrency": args.concurrency, "new_tokens": args.new_tokens,
+            "seconds_served": served_s, "seconds_direct": direct_s, "machine": machine,
+        }), flush=True)
+        ss = statistics.median(served_ttft)
+        print(json.dumps({
+            "figure": "serve_time_to_first_token_s", "frontend": frontend, "value": ss,
+            "baseline": "engine_direct_time_to_first_token_s", "baseline_value": ds, "ratio": ss / ds,
+            "ratio_is": "served / direct (1.0: the front adds nothing)", "streamed_requests": len(served_ttft),
+            "new_tokens": args.new_tokens, "ttft_served": served_ttft, "ttft_direct": direct_ttft, "machine": machine,
+        }), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -4,12 +4,16 @@ Runs in TRL's own interpreter (TRL is not a raygym dependency). Create it once w
 ``python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install trl``, then
 ``benchmarks/e2e.py --trl-python .venv-trl/bin/python`` runs this script there as a subprocess.
 
-Same task (builtin next-digit prompts and shaped reward, imported from ``raygym.builtin``), same model (a tiny Qwen3 checkpoint
-directory written by ``raygym.builtin``), same group size, prompts per step, response length and
-learning rate; one optimizer step per generation, no KL term, CPU. Prints one JSON line:
-``{"trl_seconds_per_step": ..., "steps": ..., "reward_first": ..., "reward_last": ...}``.
+Same task (a builtin task's prompts and shaped reward, imported from ``raygym.builtin``: ``--task next-digit`` or
+``long-tail``), same model (a Qwen3 checkpoint directory written by ``raygym.builtin``), same group size, prompts
+per step, response length and learning rate; one optimizer step per generation, no KL term, CPU. Prints one JSON
+line: ``{"trl_seconds_per_step": ..., "phases": {...}, "steps": ..., "reward_first": ..., "reward_last": ...}``.
 
-    .venv-trl/bin/python benchmarks/trl_baseline.py --model-dir /tmp/tiny-qwen3 --steps 12
+``phases`` splits TRL's mean step the way ``benchmarks/e2e.py`` splits raygym's: ``generate_s`` (time inside
+``GRPOTrainer._generate_single_turn``, HF ``generate``), ``reward_s`` (inside ``_calculate_rewards``) and
+``train_s`` (the rest of the step: tokenization, the loss's forward, backward and the optimizer step).
+
+    .venv-trl/bin/python benchmarks/trl_baseline.py --model-dir /tmp/tiny-qwen3 --steps 12 --task long-tail
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # raygym from this checkout
-from raygym.builtin import next_digit_reward, next_digit_rows  # noqa: E402  (the task raygym trains on)
+from raygym.builtin import TASK_ROWS, long_tail_reward, next_digit_reward  # noqa: E402  (the tasks raygym trains on)
+
+REWARDS = {"builtin:next-digit": next_digit_reward, "builtin:long-tail": long_tail_reward}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,32 +41,54 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--task", choices=("next-digit", "long-tail"), default="next-digit", help="builtin task")
     args = p.parse_args(argv)
+    task = f"builtin:{args.task}"
+    task_reward = REWARDS[task]
 
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     class StepClock(TrainerCallback):
+        """Each step's seconds, and the seconds spent inside the trainer methods ``timed`` wraps."""
+
         def __init__(self) -> None:
             self.started = 0.0
             self.seconds: list[float] = []
             self.rewards: list[float] = []
+            self.lengths: list[float] = []  # mean completion length per step
+            self.inside: dict[str, float] = {"generate_s": 0.0, "reward_s": 0.0}
+            self.phases: list[dict[str, float]] = []
+
+        def timed(self, phase: str, method):
+            def wrapper(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return method(*a, **kw)
+                finally:
+                    self.inside[phase] += time.perf_counter() - t0
+            return wrapper
 
         def on_step_begin(self, args, state, control, **kwargs):
+            self.inside = dict.fromkeys(self.inside, 0.0)
             self.started = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.seconds.append(time.perf_counter() - self.started)
+            step = time.perf_counter() - self.started
+            self.seconds.append(step)
+            self.phases.append({**self.inside, "train_s": step - sum(self.inside.values())})
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
                 self.rewards.append(float(logs["reward"]))
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(float(logs["completions/mean_length"]))
 
     def reward(prompts, completions, label, **kwargs):
-        return [next_digit_reward(c, lab) for c, lab in zip(completions, label, strict=True)]
+        return [task_reward(c, lab) for c, lab in zip(completions, label, strict=True)]
 
-    rows = next_digit_rows(max(1024, args.prompts * (args.steps + 1)), args.seed)
+    rows = TASK_ROWS[task](max(1024, args.prompts * (args.steps + 1)), args.seed)
     clock = StepClock()
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as out:
         config = GRPOConfig(
@@ -88,14 +116,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         trainer = GRPOTrainer(model=args.model_dir, reward_funcs=reward, args=config,
                               train_dataset=Dataset.from_list(rows), callbacks=[clock])
+        trainer._generate_single_turn = clock.timed("generate_s", trainer._generate_single_turn)
+        trainer._calculate_rewards = clock.timed("reward_s", trainer._calculate_rewards)
         trainer.train()
     measured = clock.seconds[args.warmup:] or clock.seconds
+    phases = clock.phases[args.warmup:] or clock.phases
     print(json.dumps({
         "trl_seconds_per_step": sum(measured) / len(measured),
+        "phases": {k: sum(ph[k] for ph in phases) / len(phases) for k in phases[0]},
+        "task": task,
         "steps": len(clock.seconds),
         "measured_steps": len(measured),
         "reward_first": clock.rewards[0] if clock.rewards else None,
         "reward_last": clock.rewards[-1] if clock.rewards else None,
+        "completion_len_mean": sum(clock.lengths) / len(clock.lengths) if clock.lengths else None,
     }))
     return 0
 

@@ -58,13 +58,16 @@ config.json, then the flags (e.g. --rm-type, --custom-rm-function, --n-samples-p
 @click.option("--api-key-file", default=None, help="File holding the API key (default: $RAYGYM_SERVE_API_KEY).")
 @click.option("--api-key", "api_key_on_argv", default=None, hidden=True)
 @click.option("--detach", is_flag=True, help="On an existing cluster (RAY_ADDRESS): deploy and return.")
+@click.option("--frontend", type=click.Choice(["auto", "direct", "ray-serve"]), default="auto", show_default=True,
+              help="direct: one replica on this box, no Ray Serve (auto picks it for one replica and no RAY_ADDRESS).")
 def serve_command(source: str, host: str, port: int, route_prefix: str, model_name: str | None, engine: str,
                   engine_python: str | None, num_replicas: int, min_replicas: int | None, max_replicas: int | None,
                   target_ongoing_requests: float, max_ongoing_requests: int, gpus_per_replica: int | None,
                   cpus_per_replica: float, max_replicas_per_node: int | None, placement_strategy: str,
                   default_max_tokens: int, api_key_file: str | None, api_key_on_argv: str | None,
-                  detach: bool) -> None:
-    """Serve SOURCE (run dir, checkpoint, or HF dir) as an OpenAI-compatible API with Ray Serve.
+                  detach: bool, frontend: str) -> None:
+    """Serve SOURCE (run dir, checkpoint, or HF dir) as an OpenAI-compatible API (one box: in this process;
+    several replicas or a cluster: Ray Serve).
 
     The API key comes from $RAYGYM_SERVE_API_KEY or --api-key-file, never from the command line.
     """
@@ -79,7 +82,7 @@ def serve_command(source: str, host: str, port: int, route_prefix: str, model_na
         max_replicas=max_replicas, target_ongoing_requests=target_ongoing_requests,
         max_ongoing_requests=max_ongoing_requests, gpus_per_replica=gpus_per_replica,
         cpus_per_replica=cpus_per_replica, max_replicas_per_node=max_replicas_per_node,
-        placement_strategy=placement_strategy, default_max_tokens=default_max_tokens,
+        placement_strategy=placement_strategy, default_max_tokens=default_max_tokens, frontend=frontend,
     ).check()  # bad settings fail before the checkpoint is exported
     from dataclasses import replace
 

@@ -1,4 +1,5 @@
-"""``raygym serve``: an OpenAI-compatible endpoint as a Ray Serve application.
+"""``raygym serve``: an OpenAI-compatible endpoint as a Ray Serve application (or, for one replica on one box,
+without Ray: :mod:`raygym.serve.direct`, chosen by :func:`choose_frontend`).
 
 Each Serve replica owns one inference engine (:class:`raygym.engines.actor.EngineActor`: raygym's own
 server on CPU, SGLang on GPU, chosen like a run's ``rollout_engine``, or vLLM behind raygym's adapter with
@@ -42,6 +43,7 @@ SERVE_THROUGHPUT_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_RUN_USE
                         "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 APP_NAME = "raygym-openai"
 ENGINES = ("auto", "raygym", "sglang", "vllm")
+FRONTENDS = ("auto", "direct", "ray-serve")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
@@ -64,11 +66,17 @@ class ServeSettings:
     default_max_tokens: int = 256  # chat completions without max_tokens
     engine_settings: dict[str, Any] = field(default_factory=dict)  # recipe fields the engine reads (sglang_*, seed)
     adapter_dir: str | None = None  # a LoRA adapter (PEFT directory) served beside model_dir's weights
+    frontend: str = "auto"  # auto | direct (one box, no Ray Serve: raygym.serve.direct) | ray-serve
 
     def check(self) -> ServeSettings:
         """Raise :class:`ConfigError` naming the bad setting; returns self."""
         if self.engine not in ENGINES:
             raise ConfigError(f"engine={self.engine!r}: use one of {', '.join(ENGINES)}")
+        if self.frontend not in FRONTENDS:
+            raise ConfigError(f"frontend={self.frontend!r}: use one of {', '.join(FRONTENDS)}")
+        if self.frontend == "direct" and (self.num_replicas != 1 or self.max_replicas is not None):
+            raise ConfigError(f"frontend='direct' serves one replica (num_replicas={self.num_replicas}, "
+                              f"max_replicas={self.max_replicas}); use --frontend ray-serve to scale out")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(f"placement_strategy={self.placement_strategy!r}: use one of "
                               f"{', '.join(PLACEMENT_STRATEGIES)}")
@@ -90,6 +98,27 @@ class ServeSettings:
         if self.max_replicas_per_node is not None and self.max_replicas_per_node < 1:
             raise ConfigError(f"max_replicas_per_node={self.max_replicas_per_node}: must be >= 1")
         return self
+
+
+def choose_frontend(settings: ServeSettings, *, attached: bool, detach: bool = False) -> str:
+    """``direct`` (the one-box server, :mod:`raygym.serve.direct`) or ``ray-serve`` for ``settings``: ``auto`` is
+    direct for one fixed replica when no Ray cluster is ``attached`` (``RAY_ADDRESS`` or a Ray already
+    initialised here) and nothing is to be left running (``detach``); else Ray Serve.
+
+    >>> one = ServeSettings("m", "m")
+    >>> choose_frontend(one, attached=False), choose_frontend(one, attached=True)
+    ('direct', 'ray-serve')
+    >>> choose_frontend(ServeSettings("m", "m", max_replicas=4), attached=False)
+    'ray-serve'
+    """
+    settings.check()
+    if settings.frontend == "direct" and (attached or detach):
+        raise ConfigError("frontend='direct' runs on this box without Ray; unset RAY_ADDRESS (and --detach) or use "
+                          "--frontend ray-serve to deploy on the cluster")
+    if settings.frontend != "auto":
+        return settings.frontend
+    one_replica = settings.num_replicas == 1 and settings.max_replicas is None
+    return "direct" if one_replica and not attached and not detach else "ray-serve"
 
 
 def deployment_options(settings: ServeSettings) -> dict[str, Any]:
@@ -228,39 +257,49 @@ def preflight_engine_here(settings: ServeSettings) -> str:
     return kind
 
 
+def start_engine_front(settings: ServeSettings, gpu_ids: list[int]) -> tuple[Any, Any]:
+    """Start the engine ``settings`` name on ``gpu_ids`` and build the OpenAI front in front of it; returns
+    ``(EngineActor, OpenAIFront)``. Shared by a Serve replica and the one-box server (:mod:`raygym.serve.direct`)."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from raygym.engine_api.kinds import choose_rollout_engine
+    from raygym.engines.actor import EngineActor
+    from raygym.serve.front import OpenAIFront
+
+    kind = choose_rollout_engine(settings.engine)
+    recipe = engine_recipe({**settings.engine_settings, "rollout_num_gpus_per_engine": max(1, len(gpu_ids))})
+    server_args, fields = adapter_serving(kind, settings)
+    engine = EngineActor(recipe, engine_index=0, model_path=settings.model_dir, gpu_ids=gpu_ids,
+                         host="127.0.0.1", backend=kind, log_dir=tempfile.mkdtemp(prefix="raygym-serve-engine-"),
+                         extra_server_args=server_args)
+    try:
+        engine.start()
+        tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
+    except BaseException:
+        engine.close()
+        raise
+    context = _context_len(settings.model_dir)
+    if kind == "vllm":  # vLLM holds KV cache for the run's longest request, not the model's whole context
+        from raygym.engines.launch.vllm import max_model_len
+
+        context = min(context or max_model_len(recipe), max_model_len(recipe))
+    front = OpenAIFront(tokenizer, ReplicaEngine(engine, fields), settings.model_name,
+                        context_len=context, default_max_tokens=settings.default_max_tokens)
+    return engine, front
+
+
 class OpenAIReplica:
     """One Serve replica: starts its engine, then serves the OpenAI routes in front of it."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
-        import tempfile
-
         import ray
-        from transformers import AutoTokenizer
 
-        from raygym.engine_api.kinds import choose_rollout_engine
-        from raygym.engines.actor import EngineActor
-        from raygym.serve.front import OpenAIFront
-
-        settings = spec.settings
         self.spec = spec
-        kind = choose_rollout_engine(settings.engine)
-        gpus = settings.gpus_per_replica or 0
+        gpus = spec.settings.gpus_per_replica or 0
         gpu_ids = [int(g) for g in ray.get_gpu_ids()] if gpus > 0 else []
-        recipe = engine_recipe({**settings.engine_settings, "rollout_num_gpus_per_engine": max(1, gpus)})
-        server_args, fields = adapter_serving(kind, settings)
-        self.engine = EngineActor(recipe, engine_index=0, model_path=settings.model_dir, gpu_ids=gpu_ids,
-                                  host="127.0.0.1", backend=kind,
-                                  log_dir=tempfile.mkdtemp(prefix="raygym-serve-engine-"),
-                                  extra_server_args=server_args)
-        self.engine.start()
-        tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
-        context = _context_len(settings.model_dir)
-        if kind == "vllm":  # vLLM holds KV cache for the run's longest request, not the model's whole context
-            from raygym.engines.launch.vllm import max_model_len
-
-            context = min(context or max_model_len(recipe), max_model_len(recipe))
-        self.front = OpenAIFront(tokenizer, ReplicaEngine(self.engine, fields), settings.model_name,
-                                 context_len=context, default_max_tokens=settings.default_max_tokens)
+        self.engine, self.front = start_engine_front(spec.settings, gpu_ids)
 
     def __serve_build_asgi_app__(self) -> Any:
         from raygym.serve.http import build_http_app
@@ -315,8 +354,10 @@ def run_server(settings: ServeSettings, api_key: str, *, host: str = "127.0.0.1"
                stop: threading.Event | None = None, on_ready: Callable[[Endpoint], None] | None = None) -> Endpoint:
     """Deploy and (unless ``detach``) serve until ``stop`` is set or Ctrl-C; then end what was started.
 
-    Attaches to the Ray of this process or ``RAY_ADDRESS``, else starts a local Ray (shut down at the end).
-    ``detach`` (only on an existing cluster) leaves the application running there and returns at once.
+    One fixed replica and no Ray cluster (``settings.frontend='auto'``): the one-box server, no Ray at all
+    (:func:`raygym.serve.direct.run_direct`). Otherwise Ray Serve: attaches to the Ray of this process or
+    ``RAY_ADDRESS``, else starts a local Ray (shut down at the end). ``detach`` (only on an existing cluster)
+    leaves the application running there and returns at once.
     """
     import ray
     from ray import serve
@@ -327,7 +368,14 @@ def run_server(settings: ServeSettings, api_key: str, *, host: str = "127.0.0.1"
     settings.check()
     if not route_prefix.startswith("/"):
         raise ConfigError(f"route_prefix={route_prefix!r}: must start with '/'")
+    attached = ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
+    frontend = choose_frontend(settings, attached=attached, detach=detach)
     preflight_engine_here(settings)  # the engine can run the model here, before Ray starts
+    if frontend == "direct":
+        from raygym.serve.direct import run_direct
+
+        return run_direct(settings, api_key, host=host, port=port, route_prefix=route_prefix, say=say, stop=stop,
+                          on_ready=on_ready)
     if not ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):  # the processes of the Ray started here
         for name, value in SERVE_THROUGHPUT_ENV.items():
             os.environ.setdefault(name, value)
@@ -367,5 +415,6 @@ def run_server(settings: ServeSettings, api_key: str, *, host: str = "127.0.0.1"
                     ray.shutdown()
 
 
-__all__ = ["API_KEY_ENV", "Endpoint", "OpenAIReplica", "ReplicaEngine", "ReplicaSpec", "ServeSettings",
-           "build_application", "deployment_options", "preflight_engine_here", "read_api_key", "run_server"]
+__all__ = ["API_KEY_ENV", "FRONTENDS", "Endpoint", "OpenAIReplica", "ReplicaEngine", "ReplicaSpec", "ServeSettings",
+           "build_application", "choose_frontend", "deployment_options", "preflight_engine_here", "read_api_key",
+           "run_server", "start_engine_front"]

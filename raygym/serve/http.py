@@ -1,4 +1,8 @@
-"""The HTTP side of ``raygym serve``: a FastAPI app over an :class:`~raygym.serve.front.OpenAIFront`.
+"""The HTTP side of ``raygym serve``: a Starlette app over an :class:`~raygym.serve.front.OpenAIFront`.
+
+Plain Starlette routes, not FastAPI's: the body is parsed by the front's own pydantic models either way, and
+FastAPI's per-request dependency solving and extra middlewares were a measured share of the one-box
+server's time per request (``benchmarks/serve.py``).
 
 Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 and an unauthenticated ``GET /health`` (for load balancers; it says nothing about the model).
@@ -9,7 +13,8 @@ valid key gets 401 before its body is read. Errors are OpenAI-shaped (``{"error"
 malformed JSON, bad fields (400, ``param`` names the field), unknown routes (404) and engine failures.
 """
 
-# No `from __future__ import annotations` here: FastAPI reads the route annotations (Request) at runtime.
+from __future__ import annotations
+
 import hashlib
 import hmac
 import json
@@ -67,7 +72,7 @@ def validation_error(exc: pydantic.ValidationError) -> OpenAIError:
 
 def error_response(err: OpenAIError) -> Any:
     """``err`` as OpenAI's JSON error answer (401s name the scheme the key goes in)."""
-    from fastapi.responses import JSONResponse
+    from starlette.responses import JSONResponse
 
     headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
@@ -83,11 +88,13 @@ class RequireKey:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            from starlette.requests import Request
+            from starlette.datastructures import Headers
 
-            request = Request(scope)
-            if request.url.path not in UNAUTHENTICATED_PATHS:
-                header = request.headers.get("authorization")
+            path, root = scope["path"], scope.get("root_path", "")
+            if root and path.startswith(root):  # under a route prefix: the path inside the app
+                path = path[len(root):]
+            if path not in UNAUTHENTICATED_PATHS:
+                header = Headers(scope=scope).get("authorization")
                 if not authorized(header, self.digest):
                     message = ("Incorrect API key provided." if header else
                                "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'.")
@@ -97,28 +104,26 @@ class RequireKey:
 
 
 def build_http_app(front: OpenAIFront, api_key_digest: str) -> Any:
-    """The FastAPI app of one replica."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from pydantic import ValidationError
+    """The ASGI app of one front (a Serve replica's, or the one-box server's)."""
+    from starlette.applications import Starlette
     from starlette.exceptions import HTTPException as StarletteHTTPException
-
-    app = FastAPI(title="raygym serve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(RequireKey, api_key_digest=api_key_digest)
+    from starlette.middleware import Middleware
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
 
     def json_body(model: Any) -> Response:  # pydantic writes the JSON itself (no dict in between)
         return Response(content=model.model_dump_json(), media_type="application/json")
 
-    @app.exception_handler(OpenAIError)
-    async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+    async def on_openai_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, OpenAIError)
         return error_response(exc)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
         text = f"Invalid URL ({request.method} {request.url.path})" if exc.status_code in (404, 405) else str(exc.detail)
         return error_response(OpenAIError(exc.status_code, text))
 
-    @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("raygym serve: %s %s failed", request.method, request.url.path)
         return error_response(OpenAIError(500, "internal server error", type="server_error"))
@@ -132,7 +137,7 @@ def build_http_app(front: OpenAIFront, api_key_digest: str) -> Any:
             raise OpenAIError(400, "the request body must be a JSON object")
         try:
             return model.model_validate(body)
-        except ValidationError as exc:
+        except pydantic.ValidationError as exc:
             raise validation_error(exc) from None
 
     async def run(coro: Any) -> Any:
@@ -146,35 +151,36 @@ def build_http_app(front: OpenAIFront, api_key_digest: str) -> Any:
                 log.warning("raygym serve: engine call failed: %s", exc)
             raise err from None
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
         return json_body(front.models())
 
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> Response:
-        return json_body(front.model(model_id))
+    async def model(request: Request) -> Response:
+        return json_body(front.model(request.path_params["model_id"]))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
+    async def completions(request: Request) -> Response:
         req = await parse(request, CompletionRequest)
         if req.stream:
             return StreamingResponse(await run(front.stream_completion(req)), media_type="text/event-stream")
         generation = await run(front.complete(req))
         return json_body(front.completion_body(req, generation))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Any:
+    async def chat_completions(request: Request) -> Response:
         req = await parse(request, ChatCompletionRequest)
         if req.stream:
             return StreamingResponse(await run(front.stream_chat(req)), media_type="text/event-stream")
         generation = await run(front.chat(req))
         return json_body(front.chat_body(req, generation))
 
-    return app
+    routes = [Route("/health", health, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
+              Route("/v1/models/{model_id:path}", model, methods=["GET"]),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+    return Starlette(routes=routes, middleware=[Middleware(RequireKey, api_key_digest=api_key_digest)],
+                     exception_handlers={OpenAIError: on_openai_error, StarletteHTTPException: on_http_error,
+                                         Exception: on_unexpected})
 
 
 __all__ = ["RequireKey", "authorized", "build_http_app", "engine_error", "error_response", "key_digest",

@@ -112,14 +112,18 @@ def _engine_processes(marker: str) -> list[int]:
     return found
 
 
-def test_serve_answers_the_openai_client_and_refuses_without_the_key(runs):
+@pytest.mark.parametrize("frontend", ["auto", "ray-serve"])
+def test_serve_answers_the_openai_client_and_refuses_without_the_key(runs, frontend):
+    """One box and one replica: ``auto`` serves without Ray Serve (raygym.serve.direct); ``ray-serve`` deploys
+    the same front as a Serve replica. Both answer the same routes the same way."""
     import httpx
     import openai
 
     run = runs[0]
     port = _free_port()
     env, ray_tmp = _env(RAYGYM_SERVE_API_KEY=KEY)
-    proc = subprocess.Popen([sys.executable, "-m", "raygym", "serve", str(run), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "raygym", "serve", str(run), "--port", str(port),
+                             "--frontend", frontend],
                             cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue[str | None] = queue.Queue()
     printed: list[str] = []
@@ -139,6 +143,7 @@ def test_serve_answers_the_openai_client_and_refuses_without_the_key(runs):
             match = re.search(r"serving (\S+) at (http://\S+/v1)", line)
             if match:
                 model, base = match.group(1), match.group(2)
+                assert ("no Ray Serve" in line) == (frontend == "auto"), line
         assert KEY not in "".join(printed)
 
         client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)

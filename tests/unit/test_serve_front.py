@@ -17,7 +17,14 @@ from pydantic import ValidationError
 from raygym.builtin import build_tokenizer
 from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 from raygym.errors import ConfigError
-from raygym.serve.deployment import API_KEY_ENV, ServeSettings, deployment_options, read_api_key
+from raygym.serve.deployment import (
+    API_KEY_ENV,
+    ServeSettings,
+    choose_frontend,
+    deployment_options,
+    read_api_key,
+)
+from raygym.serve.direct import bind, local_gpu_ids, mounted
 from raygym.serve.front import OpenAIError, OpenAIFront, row_seed
 from raygym.serve.http import authorized, build_http_app, key_digest, validation_error
 from raygym.serve.protocol import ChatCompletionRequest, Completion, CompletionRequest
@@ -273,3 +280,38 @@ def test_deployment_options_replicas_autoscaling_and_placement():
                        (dict(placement_strategy="ANY"), "placement_strategy")):
         with pytest.raises(ConfigError, match=field):
             deployment_options(ServeSettings("m", "m", **bad))
+
+
+def test_one_replica_on_one_box_is_served_without_ray_serve_and_the_rest_by_it():
+    one = ServeSettings("m", "m")
+    assert choose_frontend(one, attached=False) == "direct"
+    assert choose_frontend(one, attached=True) == "ray-serve"  # RAY_ADDRESS: deploy on that cluster
+    assert choose_frontend(one, attached=False, detach=True) == "ray-serve"
+    assert choose_frontend(ServeSettings("m", "m", num_replicas=2), attached=False) == "ray-serve"
+    assert choose_frontend(ServeSettings("m", "m", max_replicas=3), attached=False) == "ray-serve"
+    assert choose_frontend(ServeSettings("m", "m", frontend="ray-serve"), attached=False) == "ray-serve"
+    with pytest.raises(ConfigError, match="frontend='direct' serves one replica"):
+        ServeSettings("m", "m", frontend="direct", num_replicas=2).check()
+    with pytest.raises(ConfigError, match="RAY_ADDRESS"):
+        choose_frontend(ServeSettings("m", "m", frontend="direct"), attached=True)
+    with pytest.raises(ConfigError, match="frontend='nginx'"):
+        ServeSettings("m", "m", frontend="nginx").check()
+    assert local_gpu_ids(2, "4,7,9") == [4, 7]
+    with pytest.raises(ConfigError, match="gpus_per_replica=3"):
+        local_gpu_ids(3, "0,1")
+
+
+def test_the_direct_app_answers_under_its_route_prefix_and_a_taken_port_is_a_config_error(front):
+    from fastapi.testclient import TestClient
+
+    f, _ = front
+    client = TestClient(mounted(build_http_app(f, key_digest(KEY)), "/api/"))
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert client.get("/api/v1/models", headers=auth).json()["data"][0]["id"] == MODEL
+    assert client.get("/v1/models", headers=auth).status_code == 404
+    taken = bind("127.0.0.1", 0)
+    try:
+        with pytest.raises(ConfigError, match="pick another --port"):
+            bind("127.0.0.1", taken.getsockname()[1])
+    finally:
+        taken.close()

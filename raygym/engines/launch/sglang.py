@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from raygym.config import Recipe
+from raygym.config.schedule import Sync
 from raygym.engine_api.kinds import DIRECT_LOADER, MODEL_LOADER, check_routing_replay, version_tuple
 from raygym.errors import ConfigError
 from raygym.routed_experts import SERVER_FLAG
@@ -64,6 +65,25 @@ _RESERVED_CONFIG_KEYS = {
     "tool_call_parser": "sglang_tool_call_parser",
     "reasoning_parser": "sglang_reasoning_parser",
 }
+
+
+def raygym_cpu_threads(recipe: Recipe, cores: int) -> int:
+    """Torch threads of one raygym CPU server on a node of ``cores`` cores. When rollout and training take
+    turns (the ``Sync`` schedule, or colocated), the trainer is idle while the engines decode, so the engines
+    share every core; when they overlap (``OneStepOff``/``FullyAsync``, not colocated) each engine keeps to
+    one thread and the trainer takes the rest (``raygym.trainer.decisions.cpu_training_threads``).
+    Measured (``benchmarks/e2e.py``, 2 cores, 10.6M model, 128 x 64 tokens): one thread 3.46 s a rollout, two
+    2.54 s.
+
+    >>> from raygym.presets import tiny
+    >>> raygym_cpu_threads(tiny(), 2), raygym_cpu_threads(tiny().model_copy(update={"async_mode": True}), 16)
+    (2, 1)
+    >>> raygym_cpu_threads(Recipe(rollout_num_gpus=2, rollout_num_gpus_per_engine=1), 8)  # colocated: turns
+    4
+    """
+    engines = recipe.gpu_allocation().rollout_engines
+    overlapped = not isinstance(recipe.schedule, Sync) and not recipe.colocate
+    return 1 if overlapped else max(1, cores // max(1, engines))
 
 
 def raygym_max_running_requests(recipe: Recipe) -> int:
@@ -221,6 +241,7 @@ def build_raygym_server_argv(
     device: str = "auto",
     dtype: str = "auto",
     max_running_requests: int = 64,
+    num_threads: int | None = None,
     custom_weight_loaders: Sequence[str] = (),
     weight_version: str | int | None = None,
     seed: int | None = None,
@@ -229,13 +250,16 @@ def build_raygym_server_argv(
 ) -> list[str]:
     """``python -m raygym.engines.raygym_server.server ...`` (the built-in server, CPU or GPU). Its API key comes from
     the environment (``raygym.engine_api.auth.ENGINE_API_KEY_ENV``), never from this command line.
-    ``return_routed_experts``: MoE routing replay (the server keeps its routers' choices for requests that ask)."""
+    ``return_routed_experts``: MoE routing replay (the server keeps its routers' choices for requests that ask).
+    ``num_threads``: its torch threads on CPU (None: the server's default, one)."""
     if host == "0.0.0.0":
         raise ConfigError("host='0.0.0.0': engines bind their node IP or 127.0.0.1; pass the node IP")
     if max_running_requests < 1:
         raise ConfigError(f"sglang_max_running_requests={max_running_requests}: must be >= 1")
     argv = [python, "-m", "raygym.engines.raygym_server.server", "--model-path", model_path, "--host", host, "--port", str(port)]
     argv += ["--device", device, "--dtype", dtype, "--max-running-requests", str(max_running_requests)]
+    if num_threads is not None:
+        argv += ["--num-threads", str(num_threads)]
     if custom_weight_loaders:
         argv += ["--custom-weight-loader", *custom_weight_loaders]
     if weight_version is not None:

@@ -45,7 +45,7 @@ from raygym.engines.raygym_server.generation_request import (
     GenerationRequest,
     release_host_memory,
 )
-from raygym.engines.raygym_server.kv_cache import _left_pad, _mergeable, new_kv_cache
+from raygym.engines.raygym_server.kv_cache import _left_pad, _mergeable, fill_order, new_kv_cache
 from raygym.engines.raygym_server.sampling import SamplingParams, sample_next_tokens
 
 if TYPE_CHECKING:
@@ -325,10 +325,12 @@ class GenerationEngine:
             if not keep:
                 return
             if len(keep) < len(rows):
-                index = torch.tensor(keep, device=mask.device)
-                cache.batch_select_indices(index)
+                order = fill_order(keep)  # finished rows' places are taken by rows from the end of the batch
+                index = torch.tensor(order, device=mask.device)
+                with torch.inference_mode():  # the cache's tensors are inference tensors, compacted in place
+                    cache.batch_select_indices(index)
                 mask, positions, tokens = mask[index], positions[index], tokens[index]
-                rows = [rows[i] for i in keep]
+                rows = [rows[i] for i in order]
             mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
             positions = positions[:, -1:] + 1
             try:

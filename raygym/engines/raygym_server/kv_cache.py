@@ -62,7 +62,42 @@ def _growing_layer_class() -> type:
             self.keys, self.values = self._buf_k[..., :end, :], self._buf_v[..., :end, :]
             return self.keys, self.values
 
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            """Keep the rows ``indices`` (finished rows leave the batch) inside the same buffer: only the rows
+            whose place changes are copied, and the headroom stays. With :func:`fill_order`'s indices that is
+            one row per finished row (``DynamicLayer`` copies every kept row out, and its next update copies
+            them all once more into a new buffer)."""
+            if self.keys is None or not self.keys.numel():
+                return
+            if self._buf_k is None or self.keys.data_ptr() != self._buf_k.data_ptr():
+                super().batch_select_indices(indices)
+                return
+            assert self._buf_v is not None
+            n, m = self.keys.shape[-2], int(indices.numel())
+            place = torch.arange(m, device=indices.device)
+            moved = indices != place
+            if bool(moved.any()):
+                src, dst = indices[moved], place[moved]
+                self._buf_k[dst, ..., :n, :] = self._buf_k[src, ..., :n, :]
+                self._buf_v[dst, ..., :n, :] = self._buf_v[src, ..., :n, :]
+            self._buf_k, self._buf_v = self._buf_k[:m], self._buf_v[:m]
+            self.keys, self.values = self._buf_k[..., :n, :], self._buf_v[..., :n, :]
+
     return GrowingKVLayer
+
+
+def fill_order(keep: list[int]) -> list[int]:
+    """The rows of a batch after the rows not in ``keep`` (ascending) leave it: row ``p`` of the smaller batch
+    is row ``order[p]`` of the old one. Kept rows stay where they are and each hole below the new size takes a
+    kept row from beyond it, so compacting a KV cache moves one row per row that left, not every row after it.
+
+    >>> fill_order([0, 2, 3, 5]), fill_order([1, 2]), fill_order([0, 1])
+    ([0, 5, 2, 3], [2, 1], [0, 1])
+    """
+    size = len(keep)
+    kept = set(keep)
+    beyond = iter(i for i in keep if i >= size)
+    return [p if p in kept else next(beyond) for p in range(size)]
 
 
 def new_kv_cache() -> Any:
