@@ -94,8 +94,11 @@ def bench_recipe(max_new_tokens: int, task: str = "next-digit", **overrides: Any
     from raygym import Recipe
     from raygym.presets import tiny
 
+    # calculate_per_token_loss: the loss of TRL's GRPOTrainer by default (loss_type="dapo": every token of the
+    # batch weighs the same); raygym's default weighs every sample the same. Same loss on both sides.
     fields = {**tiny().model_dump(), "save_interval": 10**6, "rollout_max_response_len": max_new_tokens,
-              "eval_max_response_len": max_new_tokens, "rm_type": REWARD_TYPES[task], **overrides}
+              "eval_max_response_len": max_new_tokens, "rm_type": REWARD_TYPES[task],
+              "calculate_per_token_loss": True, **overrides}
     return Recipe(**fields)
 
 
@@ -119,6 +122,7 @@ def split(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
     # time spent moving memory (colocate) and saving is neither control overhead nor a named phase above
     out["offload_save_wait_s"] = mean("perf/offload_time") + mean("perf/save_time") + mean("perf/rollout_wait_time")
     out["other_frac"] = out["other_s"] / out["step_s"] if out["step_s"] else 0.0
+    out["response_len_mean"] = mean("rollout/response_len_mean")  # what continuous batching and packing act on
     out["reward_first"] = float(rows[0]["rollout/reward_mean"])
     out["reward_last"] = float(rows[-1]["rollout/reward_mean"])
     return out

@@ -6,7 +6,8 @@ Runs in TRL's own interpreter (TRL is not a raygym dependency). Create it once w
 
 Same task (a builtin task's prompts and shaped reward, imported from ``raygym.builtin``: ``--task next-digit`` or
 ``long-tail``), same model (a Qwen3 checkpoint directory written by ``raygym.builtin``), same group size, prompts
-per step, response length and learning rate; one optimizer step per generation, no KL term, CPU. Prints one JSON
+per step, response length and learning rate; one optimizer step per generation, no KL term, TRL's default loss (``dapo``: token-level, which
+``benchmarks/e2e.py`` sets on raygym's side too), CPU. Prints one JSON
 line: ``{"trl_seconds_per_step": ..., "phases": {...}, "steps": ..., "reward_first": ..., "reward_last": ...}``.
 
 ``phases`` splits TRL's mean step the way ``benchmarks/e2e.py`` splits raygym's: ``generate_s`` (time inside

@@ -15,6 +15,7 @@ from raygym.algo.batching import (
     num_optimizer_steps,
     optimizer_step_slices,
     pack_micro_batches,
+    padded_micro_batches,
 )
 from raygym.algo.kl import KL_KINDS, kl_penalty
 from raygym.algo.losses import (
@@ -49,6 +50,7 @@ __all__ = [
     "num_optimizer_steps",
     "optimizer_step_slices",
     "pack_micro_batches",
+    "padded_micro_batches",
     "policy_loss",
     "ratio_level_for",
     "rl_loss",

@@ -347,7 +347,7 @@ class EngineActor:
             python=self.python,
             device=self.device,
             max_running_requests=raygym_max_running_requests(self.settings),
-            num_threads=(raygym_cpu_threads(self.settings, len(os.sched_getaffinity(0)))
+            max_threads=(raygym_cpu_threads(self.settings, len(os.sched_getaffinity(0)))
                          if self._device_kind() == "cpu" else None),
             custom_weight_loaders=[DELTA_LOADER],
             weight_version=self.weight_version,

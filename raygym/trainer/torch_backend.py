@@ -39,7 +39,7 @@ from raygym.algo.batching import (
     contiguous_shard,
     fixed_micro_batches,
     optimizer_step_slices,
-    pack_micro_batches,
+    padded_micro_batches,
 )
 from raygym.algo.losses import entropy_from_logits
 from raygym.algo.mismatch import MismatchTally
@@ -312,7 +312,7 @@ class TorchBackend(TorchWeights, TrainerBackend):
     def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
         s = self.settings
         if s.use_dynamic_batch_size:
-            return pack_micro_batches(batch.total_lengths(), s.max_tokens_per_gpu)
+            return padded_micro_batches(batch.total_lengths(), s.max_tokens_per_gpu)
         return fixed_micro_batches(len(batch), s.micro_batch_size)
 
     # ---- log-probs ---------------------------------------------------------------------------------

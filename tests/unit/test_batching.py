@@ -13,6 +13,7 @@ from raygym.algo import (
     num_optimizer_steps,
     optimizer_step_slices,
     pack_micro_batches,
+    padded_micro_batches,
 )
 from raygym.errors import ConfigError
 
@@ -34,6 +35,26 @@ def test_packing_properties(seed):
     # first-fit-decreasing never needs more than 11/9 OPT + 1 bins; OPT >= total / budget
     assert len(bins) <= 11 / 9 * (sum(lengths) / budget) + 2
     assert pack_micro_batches(lengths, budget) == bins  # deterministic
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_padded_plan_keeps_every_padded_micro_batch_in_budget_and_pads_less_than_first_fit(seed):
+    rng = random.Random(seed)
+    # a long tail: most samples short, a few long (what an RL batch looks like)
+    lengths = [rng.choice([rng.randrange(8, 16)] * 7 + [rng.randrange(40, 80)]) for _ in range(128)]
+    budget = 1024
+
+    def padded(bins):
+        return sum(len(b) * max(lengths[i] for i in b) for b in bins)
+
+    bins = padded_micro_batches(lengths, budget)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(len(b) * max(lengths[i] for i in b) <= budget or len(b) == 1 for b in bins)
+    assert all(b == sorted(b) for b in bins) and padded_micro_batches(lengths, budget) == bins
+    assert padded(bins) <= 1.25 * sum(lengths)  # like lengths train together: little padding
+    assert padded(bins) < padded(pack_micro_batches(lengths, budget))
+    with pytest.raises(ConfigError, match="max_tokens_per_gpu=0"):
+        padded_micro_batches(lengths, 0)
 
 
 def test_fixed_micro_batches():

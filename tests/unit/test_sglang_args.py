@@ -154,11 +154,12 @@ def test_raygym_server_argv_parses_with_the_server_parser():
 
     argv = build_raygym_server_argv(
         model_path="builtin:tiny-qwen3", host="127.0.0.1", port=31000, python="py", device="cpu",
-        max_running_requests=32, custom_weight_loaders=[DELTA_LOADER], weight_version=5, seed=7,
+        max_running_requests=32, max_threads=2, custom_weight_loaders=[DELTA_LOADER], weight_version=5, seed=7,
         extra_args=["--weight-update-timeout", "60", "--weight-source", "/shared/sync"],
     )
     assert argv[:3] == ["py", "-m", "raygym.engines.raygym_server.server"]
     args = parse_args(argv[3:])
+    assert (args.max_threads, args.num_threads) == (2, None)
     assert (args.model_path, args.host, args.port, args.device, args.max_running_requests) == (
         "builtin:tiny-qwen3", "127.0.0.1", 31000, "cpu", 32)
     assert (args.custom_weight_loader, args.weight_version, args.seed, args.weight_update_timeout,

@@ -68,12 +68,12 @@ _RESERVED_CONFIG_KEYS = {
 
 
 def raygym_cpu_threads(recipe: Recipe, cores: int) -> int:
-    """Torch threads of one raygym CPU server on a node of ``cores`` cores. When rollout and training take
-    turns (the ``Sync`` schedule, or colocated), the trainer is idle while the engines decode, so the engines
-    share every core; when they overlap (``OneStepOff``/``FullyAsync``, not colocated) each engine keeps to
-    one thread and the trainer takes the rest (``raygym.trainer.decisions.cpu_training_threads``).
-    Measured (``benchmarks/e2e.py``, 2 cores, 10.6M model, 128 x 64 tokens): one thread 3.46 s a rollout, two
-    2.54 s.
+    """CPU cores one raygym server may decode on (its ``--max-threads``), on a node of ``cores`` cores. When
+    rollout and training take turns (the ``Sync`` schedule, or colocated), the trainer is idle while the
+    engines decode, so the engines share every core; when they overlap (``OneStepOff``/``FullyAsync``, not
+    colocated) each engine keeps to one thread and the trainer takes the rest
+    (``raygym.trainer.decisions.cpu_training_threads``). The server uses them for a model large enough to
+    gain from them (``raygym.engines.raygym_server.server.cpu_decode_threads``).
 
     >>> from raygym.presets import tiny
     >>> raygym_cpu_threads(tiny(), 2), raygym_cpu_threads(tiny().model_copy(update={"async_mode": True}), 16)
@@ -241,7 +241,7 @@ def build_raygym_server_argv(
     device: str = "auto",
     dtype: str = "auto",
     max_running_requests: int = 64,
-    num_threads: int | None = None,
+    max_threads: int | None = None,
     custom_weight_loaders: Sequence[str] = (),
     weight_version: str | int | None = None,
     seed: int | None = None,
@@ -251,15 +251,15 @@ def build_raygym_server_argv(
     """``python -m raygym.engines.raygym_server.server ...`` (the built-in server, CPU or GPU). Its API key comes from
     the environment (``raygym.engine_api.auth.ENGINE_API_KEY_ENV``), never from this command line.
     ``return_routed_experts``: MoE routing replay (the server keeps its routers' choices for requests that ask).
-    ``num_threads``: its torch threads on CPU (None: the server's default, one)."""
+    ``max_threads``: the CPU cores it may decode on (None: one; the server uses them for models large enough)."""
     if host == "0.0.0.0":
         raise ConfigError("host='0.0.0.0': engines bind their node IP or 127.0.0.1; pass the node IP")
     if max_running_requests < 1:
         raise ConfigError(f"sglang_max_running_requests={max_running_requests}: must be >= 1")
     argv = [python, "-m", "raygym.engines.raygym_server.server", "--model-path", model_path, "--host", host, "--port", str(port)]
     argv += ["--device", device, "--dtype", dtype, "--max-running-requests", str(max_running_requests)]
-    if num_threads is not None:
-        argv += ["--num-threads", str(num_threads)]
+    if max_threads is not None:
+        argv += ["--max-threads", str(max_threads)]
     if custom_weight_loaders:
         argv += ["--custom-weight-loader", *custom_weight_loaders]
     if weight_version is not None:

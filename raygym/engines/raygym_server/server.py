@@ -383,8 +383,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--num-threads",
         type=int,
         default=None,
-        help="torch intra-op threads; default 1 on CPU (spinning threads on a shared CPU cost far more than they give)",
+        help="torch intra-op threads; default on CPU: --max-threads for a model of at least 1M parameters, else 1",
     )
+    p.add_argument("--max-threads", type=int, default=1,
+                   help="CPU cores this server may decode on (the launcher grants them when rollout and training "
+                        "take turns); used by models large enough to gain from them")
     p.add_argument("--lora-config", default=None,
                    help="LoRA: attach adapters of this spec (raygym.lora.LoraSpec.to_json), B = 0, synced later")
     p.add_argument("--lora-adapter", default=None, help="LoRA: attach and load this PEFT adapter directory")
@@ -392,20 +395,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="MoE: return the experts each token was routed to when a request asks (return_routed_experts)")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
-    for flag in ("max_running_requests", "max_queued_requests", "max_n", "context_length", "max_body_bytes"):
+    for flag in ("max_running_requests", "max_queued_requests", "max_n", "context_length", "max_body_bytes",
+                 "max_threads"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} {value}: must be >= 1")
     return args
 
 
+def cpu_decode_threads(granted: int, params: int) -> int:
+    """Torch threads of a CPU decode: the ``granted`` cores for a model of at least 1M parameters, else one.
+    A tiny model's decode step is too short for a second thread to pay for waking it (measured,
+    ``raygym train`` defaults, 80K parameters on 2 cores: rollout 0.055 s a step on one thread, 0.066 s on
+    two), where a 10.6M model's rollout went from 3.46 s to 2.54 s (``benchmarks/e2e.py``).
+
+    >>> cpu_decode_threads(2, 80_000), cpu_decode_threads(2, 10_600_000), cpu_decode_threads(1, 10**9)
+    (1, 2, 1)
+    """
+    return max(1, granted) if params >= 1_000_000 else 1
+
+
 async def serve(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
-    threads = args.num_threads or (1 if device.type == "cpu" else None)
-    if threads:
-        torch.set_num_threads(threads)
+    if device.type == "cpu":
+        torch.set_num_threads(args.num_threads or 1)  # the default is settled below, once the model's size is known
+    elif args.num_threads:
+        torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)
     model, tokenizer, local_path = load_model(args.model_path, device, args.dtype)
+    if device.type == "cpu" and not args.num_threads:
+        torch.set_num_threads(cpu_decode_threads(args.max_threads, sum(t.numel() for t in model.parameters())))
     if args.lora_adapter or args.lora_config:  # adapters beside the base weights (raygym.engines.raygym_server.adapter_layers)
         from raygym.engines.raygym_server.adapter_layers import attach_adapters, load_adapter
         from raygym.lora import LoraSpec
@@ -446,7 +465,8 @@ async def serve(args: argparse.Namespace) -> None:
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
-    print(f"raygym server ready on http://{args.host}:{args.port} (model {local_path}, {device})", flush=True)
+    threads = f", {torch.get_num_threads()} thread(s)" if device.type == "cpu" else ""
+    print(f"raygym server ready on http://{args.host}:{args.port} (model {local_path}, {device}{threads})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
