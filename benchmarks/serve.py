@@ -64,7 +64,8 @@ def direct(model_dir: str, texts: list[str], new_tokens: int, concurrency: int, 
     from raygym.serve.deployment import engine_recipe
 
     tok = build_tokenizer()
-    recipe = engine_recipe({"sglang_max_running_requests": 64, "rollout_num_gpus_per_engine": 1})  # as serve's
+    recipe = engine_recipe({"sglang_max_running_requests": 64, "rollout_num_gpus": 1,  # as serve's engine
+                            "rollout_num_gpus_per_engine": 1})
     engine = EngineActor(recipe, engine_index=0, model_path=model_dir,
                          gpu_ids=[], backend="raygym", device="cpu", log_dir=tempfile.mkdtemp(prefix="bench-serve-"))
     engine.start()

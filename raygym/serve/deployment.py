@@ -195,7 +195,7 @@ def _context_len(model_dir: str) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
-ENGINE_RECIPE_FIELDS = ("seed", "rollout_engine_python", "rollout_num_gpus_per_engine", "rollout_max_prompt_len",
+ENGINE_RECIPE_FIELDS = ("seed", "rollout_engine_python", "rollout_num_gpus", "rollout_num_gpus_per_engine", "rollout_max_prompt_len",
                         "rollout_max_response_len", "update_weight_timeout")
 
 
@@ -269,7 +269,8 @@ def start_engine_front(settings: ServeSettings, gpu_ids: list[int]) -> tuple[Any
     from raygym.serve.front import OpenAIFront
 
     kind = choose_rollout_engine(settings.engine)
-    recipe = engine_recipe({**settings.engine_settings, "rollout_num_gpus_per_engine": max(1, len(gpu_ids))})
+    gpus = max(1, len(gpu_ids))  # one engine per replica: it may decode on every core the replica has
+    recipe = engine_recipe({**settings.engine_settings, "rollout_num_gpus": gpus, "rollout_num_gpus_per_engine": gpus})
     server_args, fields = adapter_serving(kind, settings)
     engine = EngineActor(recipe, engine_index=0, model_path=settings.model_dir, gpu_ids=gpu_ids,
                          host="127.0.0.1", backend=kind, log_dir=tempfile.mkdtemp(prefix="raygym-serve-engine-"),
