@@ -17,7 +17,7 @@
 Metrics say what was checked: ``sync/verified_tensors`` (exact checksums compared), ``sync/probe_tokens``,
 ``sync/probe_logprob_diff_mean`` and ``_max`` (probe), ``sync/probe_floor_mean`` and ``_max`` (its calibrated
 noise floor), ``sync/probe_tolerance`` and ``_max``, ``sync/probe_margin`` (above 1 fails),
-``sync/verified_versions`` (labels read back).
+``sync/verified_versions`` (labels read back); ``sync/probe_s`` is what the probe took of ``sync/time_s``.
 
 ``update_weight_mode="auto"``: a :class:`~raygym.weightsync.sync_cost.SyncCostModel` picks full or delta
 before each sync (among the payloads the engine kind takes over the transport) and learns from what the
@@ -161,8 +161,10 @@ class WeightSync:
         if choice is not None and choice.mode == "full":
             force, refresh = True, choice.refresh_snapshot
         result, error = self._attempt(version, force, refresh)
+        probe_start = time.perf_counter()
         if error is None and self.verification == "probe":
             error = self._probe(version, result["metrics"])
+        probe_s = time.perf_counter() - probe_start
         measured_s = time.perf_counter() - start
         resynced = 0.0
         if error is not None:
@@ -178,7 +180,7 @@ class WeightSync:
         self.version = version
         metrics = dict(result["metrics"])
         metrics.update({"sync/full_resyncs": float(self.full_resyncs), "sync/resynced": resynced,
-                        "sync/time_s": time.perf_counter() - start})
+                        "sync/time_s": time.perf_counter() - start, "sync/probe_s": probe_s})
         if choice is not None:
             self._learn(choice, metrics, measured_s, observe=not resynced)
         return metrics
