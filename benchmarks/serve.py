@@ -61,7 +61,7 @@ def direct(model_dir: str, texts: list[str], new_tokens: int, concurrency: int, 
     from raygym.engine_api.client import EngineClient
     from raygym.engine_api.protocol import GenerateRequest
     from raygym.engines.actor import EngineActor
-    from raygym.serve.deployment import engine_recipe
+    from raygym.serve.replica_engine import engine_recipe
 
     tok = build_tokenizer()
     recipe = engine_recipe({"sglang_max_running_requests": 64, "rollout_num_gpus": 1,  # as serve's engine

@@ -19,22 +19,33 @@ SHA-256 digest is sent to the replicas, and neither is ever logged.
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import stat
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from raygym.config import Recipe
-from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 from raygym.errors import ConfigError
+from raygym.serve.replica_engine import (
+    ENGINE_RECIPE_FIELDS,
+    ReplicaEngine,
+    adapter_serving,
+    engine_recipe,
+    preflight_engine_here,
+    start_engine_front,
+)
+from raygym.serve.settings import (
+    API_KEY_ENV,
+    ENGINES,
+    FRONTENDS,
+    PLACEMENT_STRATEGIES,
+    Endpoint,
+    ServeSettings,
+    choose_frontend,
+    read_api_key,
+    stop_on_signals,
+)
 
-API_KEY_ENV = "RAYGYM_SERVE_API_KEY"
 # Ray Serve's own throughput settings (those its RAY_SERVE_THROUGHPUT_OPTIMIZED turns on, but the proxy's
 # single URL), for a Ray this command starts (on an existing cluster, the cluster's own stand): the proxy
 # reaches replicas over gRPC instead of Ray actor calls, and a replica handles requests on its main event loop.
@@ -42,85 +53,6 @@ API_KEY_ENV = "RAYGYM_SERVE_API_KEY"
 SERVE_THROUGHPUT_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                         "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 APP_NAME = "raygym-openai"
-ENGINES = ("auto", "raygym", "sglang", "vllm")
-FRONTENDS = ("auto", "direct", "ray-serve")
-PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    """How ``raygym serve`` deploys (validated by :meth:`check`; pure, no Ray)."""
-
-    model_dir: str  # local HF directory every replica loads (shared storage on a multi-node cluster)
-    model_name: str  # the id clients send as `model`
-    engine: str = "auto"  # auto | raygym | sglang | vllm
-    num_replicas: int = 1  # used when max_replicas is None
-    min_replicas: int | None = None  # autoscaling range (set max_replicas to autoscale)
-    max_replicas: int | None = None
-    target_ongoing_requests: float = 8.0  # autoscaling target per replica
-    max_ongoing_requests: int = 64  # requests a replica takes at once
-    gpus_per_replica: int | None = None  # GPUs of each replica's engine (SGLang's TP size); None: 1 if the cluster has GPUs
-    cpus_per_replica: float = 1.0
-    max_replicas_per_node: int | None = None
-    placement_strategy: str = "STRICT_PACK"
-    default_max_tokens: int = 256  # chat completions without max_tokens
-    engine_settings: dict[str, Any] = field(default_factory=dict)  # recipe fields the engine reads (sglang_*, seed)
-    adapter_dir: str | None = None  # a LoRA adapter (PEFT directory) served beside model_dir's weights
-    frontend: str = "auto"  # auto | direct (one box, no Ray Serve: raygym.serve.direct) | ray-serve
-
-    def check(self) -> ServeSettings:
-        """Raise :class:`ConfigError` naming the bad setting; returns self."""
-        if self.engine not in ENGINES:
-            raise ConfigError(f"engine={self.engine!r}: use one of {', '.join(ENGINES)}")
-        if self.frontend not in FRONTENDS:
-            raise ConfigError(f"frontend={self.frontend!r}: use one of {', '.join(FRONTENDS)}")
-        if self.frontend == "direct" and (self.num_replicas != 1 or self.max_replicas is not None):
-            raise ConfigError(f"frontend='direct' serves one replica (num_replicas={self.num_replicas}, "
-                              f"max_replicas={self.max_replicas}); use --frontend ray-serve to scale out")
-        if self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ConfigError(f"placement_strategy={self.placement_strategy!r}: use one of "
-                              f"{', '.join(PLACEMENT_STRATEGIES)}")
-        for name in ("num_replicas", "max_ongoing_requests", "default_max_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1 (--{name.replace('_', '-')})")
-        if (self.gpus_per_replica or 0) < 0 or self.cpus_per_replica <= 0:
-            raise ConfigError(f"gpus_per_replica={self.gpus_per_replica}, cpus_per_replica={self.cpus_per_replica}: "
-                              "GPUs must be >= 0 and CPUs > 0")
-        if self.min_replicas is not None and self.max_replicas is None:
-            raise ConfigError("min_replicas is set without max_replicas: give --max-replicas to autoscale")
-        if self.max_replicas is not None:
-            low = 1 if self.min_replicas is None else self.min_replicas
-            if low < 0 or self.max_replicas < max(1, low):
-                raise ConfigError(f"min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: need "
-                                  "0 <= min_replicas <= max_replicas and max_replicas >= 1")
-            if not self.target_ongoing_requests > 0:
-                raise ConfigError(f"target_ongoing_requests={self.target_ongoing_requests}: must be > 0")
-        if self.max_replicas_per_node is not None and self.max_replicas_per_node < 1:
-            raise ConfigError(f"max_replicas_per_node={self.max_replicas_per_node}: must be >= 1")
-        return self
-
-
-def choose_frontend(settings: ServeSettings, *, attached: bool, detach: bool = False) -> str:
-    """``direct`` (the one-box server, :mod:`raygym.serve.direct`) or ``ray-serve`` for ``settings``: ``auto`` is
-    direct for one fixed replica when no Ray cluster is ``attached`` (``RAY_ADDRESS`` or a Ray already
-    initialised here) and nothing is to be left running (``detach``); else Ray Serve.
-
-    >>> one = ServeSettings("m", "m")
-    >>> choose_frontend(one, attached=False), choose_frontend(one, attached=True)
-    ('direct', 'ray-serve')
-    >>> choose_frontend(ServeSettings("m", "m", max_replicas=4), attached=False)
-    'ray-serve'
-    """
-    settings.check()
-    if settings.frontend == "direct" and (attached or detach):
-        raise ConfigError("frontend='direct' runs on this box without Ray; unset RAY_ADDRESS (and --detach) or use "
-                          "--frontend ray-serve to deploy on the cluster")
-    if settings.frontend != "auto":
-        return settings.frontend
-    one_replica = settings.num_replicas == 1 and settings.max_replicas is None
-    return "direct" if one_replica and not attached and not detach else "ray-serve"
-
-
 def deployment_options(settings: ServeSettings) -> dict[str, Any]:
     """Ray Serve ``Deployment.options(...)`` for ``settings``: replicas or autoscaling, resources, placement.
 
@@ -154,141 +86,12 @@ def deployment_options(settings: ServeSettings) -> dict[str, Any]:
     return options
 
 
-def read_api_key(environ: dict[str, str] | os._Environ[str], key_file: str | None,
-                 warn: Callable[[str], None] = print) -> str:
-    """The API key: the contents of ``key_file`` when given, else ``$RAYGYM_SERVE_API_KEY``.
-
-    Raises :class:`ConfigError` when neither holds a key (the server never runs without one)."""
-    if key_file:
-        path = Path(key_file).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"api_key_file={key_file!r}: no such file; write the key into it (chmod 600)")
-        if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            warn(f"warning: {path} is readable by other users; chmod 600 it")
-        key = path.read_text().strip()
-        if not key:
-            raise ConfigError(f"api_key_file={key_file!r}: the file is empty; write the key into it")
-        return key
-    key = environ.get(API_KEY_ENV, "").strip()
-    if not key:
-        raise ConfigError(f"no API key: export {API_KEY_ENV}=... or pass --api-key-file PATH "
-                          "(the server refuses to run without one; keys never go on the command line)")
-    if len(key) < 8:
-        raise ConfigError(f"{API_KEY_ENV}: the key is shorter than 8 characters; use a long random one")
-    return key
-
-
 @dataclass(frozen=True)
 class ReplicaSpec:
     """What a replica is built from (travels to the replicas; holds the key's digest, not the key)."""
 
     settings: ServeSettings
     api_key_digest: str
-
-
-def _context_len(model_dir: str) -> int | None:
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    value = config.get("max_position_embeddings")
-    return int(value) if isinstance(value, int) else None
-
-
-ENGINE_RECIPE_FIELDS = ("seed", "rollout_engine_python", "rollout_num_gpus", "rollout_num_gpus_per_engine", "rollout_max_prompt_len",
-                        "rollout_max_response_len", "update_weight_timeout")
-
-
-def engine_recipe(engine_settings: dict[str, Any]) -> Recipe:
-    """The validated :class:`~raygym.config.Recipe` a replica's engine starts from: the run's engine fields
-    (``sglang_*`` and :data:`ENGINE_RECIPE_FIELDS`) over the defaults; the training fields are left out.
-
-    >>> engine_recipe({"sglang_max_running_requests": 32, "lr": 1.0}).sglang_max_running_requests
-    32
-    """
-    chosen = {name: value for name, value in engine_settings.items()
-              if name in Recipe.model_fields and (name.startswith("sglang_") or name in ENGINE_RECIPE_FIELDS)}
-    return Recipe(**chosen)
-
-
-def adapter_serving(kind: str, settings: ServeSettings) -> tuple[list[str], dict[str, Any]]:
-    """(server flags, fields of every request) that make engine kind ``kind`` serve ``settings.adapter_dir``
-    beside the base weights: the adapter is loaded at start under :data:`raygym.lora.ADAPTER_NAME`, which every
-    request names (``lora_path``). Nothing without an adapter."""
-    if not settings.adapter_dir:
-        return [], {}
-    from raygym.engines.launch.lora import engine_lora_args
-    from raygym.lora import ADAPTER_NAME, LoraSpec, model_targets, read_adapter
-
-    spec = LoraSpec.from_config(read_adapter(settings.adapter_dir)[0])
-    targets = model_targets(settings.model_dir, spec)
-    return engine_lora_args(kind, spec, targets, settings.adapter_dir), {"lora_path": ADAPTER_NAME}
-
-
-class ReplicaEngine:
-    """The front's engine (:class:`raygym.serve.front.Engine`): the replica's EngineActor on the replica's event
-    loop, every request carrying ``fields`` (a LoRA adapter's ``lora_path``)."""
-
-    def __init__(self, engine: Any, fields: dict[str, Any]) -> None:
-        self.engine, self.fields = engine, fields
-
-    def generate(self, request: GenerateRequest) -> Awaitable[GenerateResponse | list[GenerateResponse]]:
-        return self.engine.generate_async(request.model_copy(update=self.fields) if self.fields else request)
-
-    def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateResponse]:
-        return self.engine.generate_stream(request.model_copy(update=self.fields) if self.fields else request)
-
-
-def preflight_engine_here(settings: ServeSettings) -> str:
-    """The engine kind a replica will run, checked before Ray starts: SGLang or vLLM importable by the engine
-    interpreter, and on a machine without CUDA a model vLLM's CPU attention can run (its head size). Returns
-    the kind; ConfigError names the fix."""
-    import torch
-
-    from raygym.engine_api.kinds import choose_rollout_engine
-    from raygym.engines.interpreter import check_engine_python
-    from raygym.engines.launch.vllm import check_cpu_head_dim, checkpoint_head_dim
-
-    kind = choose_rollout_engine(settings.engine)
-    if kind in ("sglang", "vllm"):
-        check_engine_python(kind, settings.engine_settings.get("rollout_engine_python"))
-    if kind == "vllm" and not torch.cuda.is_available():
-        check_cpu_head_dim(checkpoint_head_dim(settings.model_dir), settings.model_dir, "raygym serve --engine vllm")
-    return kind
-
-
-def start_engine_front(settings: ServeSettings, gpu_ids: list[int]) -> tuple[Any, Any]:
-    """Start the engine ``settings`` name on ``gpu_ids`` and build the OpenAI front in front of it; returns
-    ``(EngineActor, OpenAIFront)``. Shared by a Serve replica and the one-box server (:mod:`raygym.serve.direct`)."""
-    import tempfile
-
-    from transformers import AutoTokenizer
-
-    from raygym.engine_api.kinds import choose_rollout_engine
-    from raygym.engines.actor import EngineActor
-    from raygym.serve.front import OpenAIFront
-
-    kind = choose_rollout_engine(settings.engine)
-    gpus = max(1, len(gpu_ids))  # one engine per replica: it may decode on every core the replica has
-    recipe = engine_recipe({**settings.engine_settings, "rollout_num_gpus": gpus, "rollout_num_gpus_per_engine": gpus})
-    server_args, fields = adapter_serving(kind, settings)
-    engine = EngineActor(recipe, engine_index=0, model_path=settings.model_dir, gpu_ids=gpu_ids,
-                         host="127.0.0.1", backend=kind, log_dir=tempfile.mkdtemp(prefix="raygym-serve-engine-"),
-                         extra_server_args=server_args)
-    try:
-        engine.start()
-        tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
-    except BaseException:
-        engine.close()
-        raise
-    context = _context_len(settings.model_dir)
-    if kind == "vllm":  # vLLM holds KV cache for the run's longest request, not the model's whole context
-        from raygym.engines.launch.vllm import max_model_len
-
-        context = min(context or max_model_len(recipe), max_model_len(recipe))
-    front = OpenAIFront(tokenizer, ReplicaEngine(engine, fields), settings.model_name,
-                        context_len=context, default_max_tokens=settings.default_max_tokens)
-    return engine, front
 
 
 class OpenAIReplica:
@@ -324,30 +127,6 @@ def build_application(spec: ReplicaSpec) -> Any:
 
     deployment: Any = serve.deployment(serve.ingress()(OpenAIReplica))
     return deployment.options(**deployment_options(spec.settings)).bind(spec)
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where a started deployment answers."""
-
-    url: str  # base URL of the OpenAI API, e.g. http://127.0.0.1:8000/v1
-    model_name: str
-    settings: dict[str, Any]
-
-
-@contextmanager
-def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
-    """SIGINT and SIGTERM set ``stop`` while inside (main thread only). Installed after Ray started:
-    Ray's own SIGTERM handler would end the process without removing the deployment."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def run_server(settings: ServeSettings, api_key: str, *, host: str = "127.0.0.1", port: int = 8000,
@@ -400,7 +179,7 @@ def run_server(settings: ServeSettings, api_key: str, *, host: str = "127.0.0.1"
         if detach:
             return endpoint
         stop = stop or threading.Event()
-        with _stop_on_signals(stop):  # Ctrl-C, `ray job stop`, `docker stop`: end the deployment cleanly
+        with stop_on_signals(stop):  # Ctrl-C, `ray job stop`, `docker stop`: end the deployment cleanly
             stop.wait()
         say("stopping: removing the deployment")
         return endpoint
@@ -416,6 +195,7 @@ def run_server(settings: ServeSettings, api_key: str, *, host: str = "127.0.0.1"
                     ray.shutdown()
 
 
-__all__ = ["API_KEY_ENV", "FRONTENDS", "Endpoint", "OpenAIReplica", "ReplicaEngine", "ReplicaSpec", "ServeSettings",
-           "build_application", "choose_frontend", "deployment_options", "preflight_engine_here", "read_api_key",
+__all__ = ["API_KEY_ENV", "ENGINES", "ENGINE_RECIPE_FIELDS", "FRONTENDS", "PLACEMENT_STRATEGIES", "Endpoint",
+           "OpenAIReplica", "ReplicaEngine", "ReplicaSpec", "ServeSettings", "adapter_serving", "build_application",
+           "choose_frontend", "deployment_options", "engine_recipe", "preflight_engine_here", "read_api_key",
            "run_server", "start_engine_front"]

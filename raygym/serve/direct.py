@@ -4,7 +4,7 @@ One engine, one replica, nothing to autoscale: Ray Serve's HTTP proxy and the ho
 pure cost there (``benchmarks/serve.py`` measured ~4.5 ms of CPU per request on the critical path, a third
 of the engine's own rate on 2 cores). This server runs the same FastAPI app (:func:`raygym.serve.http.build_http_app`,
 same routes, key check and errors) under uvicorn in this process, and the same front and engine as a Serve
-replica (:func:`raygym.serve.deployment.start_engine_front`): a request is one HTTP hop from the client to the
+replica (:func:`raygym.serve.replica_engine.start_engine_front`): a request is one HTTP hop from the client to the
 front, and one from the front to the engine's ``/generate``. No Ray is started.
 
 A watchdog restarts the engine when its process dies (what Serve does by replacing the replica); requests
@@ -23,7 +23,8 @@ from dataclasses import asdict
 from typing import Any
 
 from raygym.errors import ConfigError, RaygymError
-from raygym.serve.deployment import Endpoint, ServeSettings, _stop_on_signals, start_engine_front
+from raygym.serve.replica_engine import start_engine_front
+from raygym.serve.settings import Endpoint, ServeSettings, stop_on_signals
 
 log = logging.getLogger(__name__)
 WATCHDOG_PERIOD_S = 2.0
@@ -74,7 +75,7 @@ def run_direct(settings: ServeSettings, api_key: str, *, host: str = "127.0.0.1"
                on_ready: Callable[[Endpoint], None] | None = None) -> Endpoint:
     """Start the engine and the front, serve until ``stop`` is set or Ctrl-C, then end the engine.
 
-    ``settings`` must ask for one fixed replica (:func:`raygym.serve.deployment.choose_frontend`)."""
+    ``settings`` must ask for one fixed replica (:func:`raygym.serve.settings.choose_frontend`)."""
     import torch
     import uvicorn
 
@@ -122,7 +123,7 @@ def run_direct(settings: ServeSettings, api_key: str, *, host: str = "127.0.0.1"
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}{route_prefix.rstrip('/')}/v1"
     endpoint = Endpoint(base, settings.model_name, {**asdict(settings), "frontend": "direct"})
     try:
-        with _stop_on_signals(stop):  # Ctrl-C, SIGTERM: end the engine cleanly
+        with stop_on_signals(stop):  # Ctrl-C, SIGTERM: end the engine cleanly
             for thread in threads:
                 thread.start()
             say(f"serving {settings.model_name} at {base} (OpenAI API; one box, no Ray Serve; Ctrl-C stops)")
