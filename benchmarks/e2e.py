@@ -7,7 +7,7 @@ Model sizes (``--models``, random Qwen3s with the builtin character tokenizer, 1
 - ``compute``: ~10.6M parameters (hidden 384, 6 layers, intermediate 1024), 64 new tokens: the model's
   compute, not fixed costs, is most of a step. A random model ends a response with probability ~1/50 per
   token, so response lengths spread from a few tokens to the cap (a long tail even before training):
-  what continuous batching (no decoding for finished rows) and length-packed micro-batches are for, against
+  what continuous batching (no decoding for finished rows) and length-grouped micro-batches are for, against
   HF ``generate`` and a batch padded to its longest completion;
 - ``tiny``: the ``tiny`` preset's ~80K-parameter model, 8 new tokens.
 
