@@ -417,13 +417,11 @@ def cpu_decode_threads(granted: int, params: int) -> int:
 
 async def serve(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(args.num_threads or 1)  # the default is settled below, once the model's size is known
-    elif args.num_threads:
-        torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)
     model, tokenizer, local_path = load_model(args.model_path, device, args.dtype)
-    if device.type == "cpu" and not args.num_threads:
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    elif device.type == "cpu":  # the default needs the model's size
         torch.set_num_threads(cpu_decode_threads(args.max_threads, sum(t.numel() for t in model.parameters())))
     if args.lora_adapter or args.lora_config:  # adapters beside the base weights (raygym.engines.raygym_server.adapter_layers)
         from raygym.engines.raygym_server.adapter_layers import attach_adapters, load_adapter
