@@ -373,6 +373,8 @@ class EngineActor:
         env = dict(os.environ)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in self.gpu_ids)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if self.backend == "raygym":  # its generation thread claims the cores; other threads start at OpenMP's
+            env["OMP_NUM_THREADS"] = "1"  # default, which must be one (raygym/cluster/cpu_threads.py)
         if self.backend == "sglang" and self._device_kind() == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
         if self.backend == "sglang":

@@ -45,6 +45,7 @@ from raygym.algo.losses import entropy_from_logits
 from raygym.algo.mismatch import MismatchTally
 from raygym.algo.rl_loss import rl_loss
 from raygym.builtin import resolve_model_path
+from raygym.cluster.cpu_threads import dedicate_torch_threads
 from raygym.errors import ConfigError
 from raygym.lora import LoraSpec
 from raygym.trainer.backend import (
@@ -135,7 +136,8 @@ class TorchBackend(TorchWeights, TrainerBackend):
             if s.use_critic:
                 local_ranks *= 2  # the policy's and the critic's ranks train at the same time
             busy = s.engine_threads
-            torch.set_num_threads(cpu_training_threads(len(os.sched_getaffinity(0)), local_ranks, busy))
+            # this thread trains on the cores; helper threads (weight-sync encoders) run serially
+            dedicate_torch_threads(cpu_training_threads(len(os.sched_getaffinity(0)), local_ranks, busy))
         if self.world_size > 1 and not dist.is_initialized():
             dist.init_process_group(
                 backend="nccl" if self.device.type == "cuda" else "gloo",

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from raygym.cluster.cpu_threads import claim_torch_threads
 from raygym.engine_api.protocol import PAUSE_MODES
 from raygym.engines.raygym_server import routing_capture
 from raygym.engines.raygym_server.generation_request import (
@@ -74,8 +75,12 @@ class GenerationEngine:
         batch_wait_s: float = 0.003,
         pad_token_id: int = 0,
         max_queued_requests: int = 4096,
+        compute_threads: int | None = None,
     ) -> None:
         self.model = model.eval()
+        # CPU: torch threads of the worker thread, claimed by it alone (raygym/cluster/cpu_threads.py); None: the
+        # process's setting
+        self.compute_threads = compute_threads
         self.max_queued_requests = max_queued_requests
         self.tokenizer = tokenizer
         self.eos_token_ids = {int(t) for t in eos_token_ids}
@@ -256,6 +261,8 @@ class GenerationEngine:
 
     # ----- worker -----
     def _loop(self) -> None:
+        if self.compute_threads is not None:
+            claim_torch_threads(self.compute_threads)
         while True:
             batch = self._next_batch()
             if batch is None:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from aiohttp import web
 
+from raygym.cluster.cpu_threads import make_serial_default
 from raygym.engine_api import protocol
 from raygym.engine_api.auth import engine_api_key
 from raygym.engine_api.protocol import STATE_CHANGING, Endpoint
@@ -419,10 +420,12 @@ async def serve(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     torch.manual_seed(args.seed)
     model, tokenizer, local_path = load_model(args.model_path, device, args.dtype)
-    if args.num_threads:
+    threads = None
+    if device.type == "cpu":  # the generation thread claims them; every other thread runs torch serially
+        threads = args.num_threads or cpu_decode_threads(args.max_threads, sum(t.numel() for t in model.parameters()))
+        make_serial_default()
+    elif args.num_threads:
         torch.set_num_threads(args.num_threads)
-    elif device.type == "cpu":  # the default needs the model's size
-        torch.set_num_threads(cpu_decode_threads(args.max_threads, sum(t.numel() for t in model.parameters())))
     if args.lora_adapter or args.lora_config:  # adapters beside the base weights (raygym.engines.raygym_server.adapter_layers)
         from raygym.engines.raygym_server.adapter_layers import attach_adapters, load_adapter
         from raygym.lora import LoraSpec
@@ -440,6 +443,7 @@ async def serve(args: argparse.Namespace) -> None:
         batch_wait_s=args.batch_wait_ms / 1000.0,
         pad_token_id=int(getattr(model.config, "pad_token_id", None) or 0),
         max_queued_requests=args.max_queued_requests,
+        compute_threads=threads,
     )
     if args.enable_return_routed_experts:
         engine.routing = RoutingCapture(model)
@@ -463,8 +467,8 @@ async def serve(args: argparse.Namespace) -> None:
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
-    threads = f", {torch.get_num_threads()} thread(s)" if device.type == "cpu" else ""
-    print(f"raygym server ready on http://{args.host}:{args.port} (model {local_path}, {device}{threads})", flush=True)
+    shown = f", {threads} thread(s)" if threads is not None else ""
+    print(f"raygym server ready on http://{args.host}:{args.port} (model {local_path}, {device}{shown})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
