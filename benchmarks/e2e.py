@@ -21,7 +21,8 @@ Figures (one JSON line each, with the machine):
 - ``trl_step_split``: TRL's step split the same way, beside raygym's sync split (``generate_s`` against
   ``rollout_s``, ``train_s`` against ``train_s``; see ``benchmarks/trl_baseline.py``), and samples/s of both;
 - ``async_vs_sync_step_s``, ``fully_async_vs_sync_step_s``: one-step-off (``--async-mode``) and fully
-  asynchronous (``--fully-async --use-tis``, max_staleness 2) step time against the sync step time of the same run;
+  asynchronous (``--fully-async``, max_staleness 2) step time against the sync step time of the same run, both with
+  TIS (their default: ``raygym.config.schedule.off_policy_defaults``);
 - ``raygym_vs_trl_step_s`` / ``raygym_async_vs_trl_step_s`` / ``raygym_fully_async_vs_trl_step_s``: raygym's
   step time against TRL's
   ``GRPOTrainer`` on the same task, model, group size, prompts per step, response length and learning
@@ -133,7 +134,7 @@ def run_raygym(mode: str, steps: int, work: Path, model_path: str, max_new_token
     from raygym.run.driver import train
 
     recipe = bench_recipe(max_new_tokens, task, num_rollout=steps, async_mode=(mode == "async"),
-                          fully_async=(mode == "fully_async"), use_tis=(mode == "fully_async"))
+                          fully_async=(mode == "fully_async"), use_tis=(mode != "sync"))  # TIS: the off-policy default
     with contextlib.redirect_stdout(sys.stderr):  # progress lines to stderr: stdout carries only JSON lines
         result = train(bench_config(work / mode, model_path, recipe, task))
     return result.steps

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,3 +108,40 @@ def dedicate_torch_threads(n: int) -> int:
     (:func:`make_serial_default`, then :func:`claim_torch_threads`); returns the calling thread's count."""
     make_serial_default()
     return claim_torch_threads(n)
+
+
+@dataclass(frozen=True)
+class CoreSplit:
+    """A node's cores split as GPUs are: each local trainer rank its own consecutive slice, the engines the
+    last cores (shared by the node's engines, one thread each)."""
+
+    trainer: tuple[tuple[int, ...], ...]
+    engines: tuple[int, ...]
+
+
+def split_cores(cores: Sequence[int], engine_cores: int, trainer_ranks: int) -> CoreSplit | None:
+    """``cores`` split between ``trainer_ranks`` trainer ranks and engines that decode on ``engine_cores``
+    cores meanwhile; None when there are too few cores for every rank and the engines to have their own.
+
+    >>> split_cores([0, 1], engine_cores=1, trainer_ranks=1)
+    CoreSplit(trainer=((0,),), engines=(1,))
+    >>> split_cores(range(16), engine_cores=4, trainer_ranks=2).trainer
+    ((0, 1, 2, 3, 4, 5), (6, 7, 8, 9, 10, 11))
+    >>> split_cores([0, 1], engine_cores=2, trainer_ranks=1) is None
+    True
+    """
+    ordered = sorted(cores)
+    if engine_cores < 1 or trainer_ranks < 1 or len(ordered) < engine_cores + trainer_ranks:
+        return None
+    rest, per = ordered[:-engine_cores], (len(ordered) - engine_cores) // trainer_ranks
+    return CoreSplit(tuple(tuple(rest[i * per : (i + 1) * per]) for i in range(trainer_ranks)),
+                     tuple(ordered[-engine_cores:]))
+
+
+def pin_process(cores: Sequence[int]) -> None:
+    """Run every thread of this process, and every thread it starts later, on ``cores`` only."""
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue

@@ -23,6 +23,7 @@ RECIPE_CHOICES: dict[str, tuple[Any, ...]] = {
     "update_weight_encoding": ("indices", "deltas", "deltas_zstd"),
     "update_weight_pause_mode": ("abort", "in_place"),
     "stale_sample_policy": ("regenerate", "drop"),
+    "cpu_placement": ("disjoint", "shared"),
 }
 
 # The built-in rewards (``rm_type``); raygym.rewards.scoring.BUILTIN_REWARDS holds them under these names.

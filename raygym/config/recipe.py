@@ -18,7 +18,7 @@ from raygym.config import recipe_checks
 from raygym.config.constants import CUSTOM_FUNCTION_FIELDS
 from raygym.config.flags import encode_section
 from raygym.config.recipe_fields import RecipeFields
-from raygym.config.schedule import Schedule, schedule_of, spell_schedule
+from raygym.config.schedule import Schedule, off_policy_defaults, schedule_of, spell_schedule
 from raygym.config.sections import ModelConfig
 
 
@@ -36,8 +36,9 @@ class Recipe(RecipeFields):
     @model_validator(mode="before")
     @classmethod
     def _spell_schedule(cls, data: Any) -> Any:
-        """``schedule=`` (a name or a :data:`~raygym.config.schedule.Schedule`) is a spelling of the flat fields."""
-        return spell_schedule(data) if isinstance(data, dict) else data
+        """``schedule=`` (a name or a :data:`~raygym.config.schedule.Schedule`) is a spelling of the flat fields;
+        an off-policy schedule turns TIS on unless ``use_tis`` is given (:func:`off_policy_defaults`)."""
+        return off_policy_defaults(spell_schedule(data)) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _validate(self) -> Recipe:

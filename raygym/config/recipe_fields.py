@@ -29,6 +29,11 @@ class RecipeFields(Section):
     actor_num_nodes: int = option(1, "Nodes for the actor (policy) trainer.")
     actor_num_gpus_per_node: int = option(8, "GPUs per actor node (also the GPUs per node of the whole cluster).")
     colocate: bool = option(True, "Share GPUs between the trainer and rollout engines.")
+    cpu_placement: str = option(
+        "disjoint",
+        "CPU runs whose engines decode while the trainer trains (async_mode, fully_async): 'disjoint' pins trainer "
+        "ranks and engines to disjoint cores of their node, as GPUs are disjoint; 'shared' leaves it to the OS.",
+    )
     rollout_num_gpus: int | None = option(
         None, "Total GPUs for rollout engines when disaggregated; None lets the allocation resolver size it."
     )
@@ -100,7 +105,7 @@ class RecipeFields(Section):
     entropy_coef: float = option(0.0, "Entropy bonus coefficient.")
     calculate_per_token_loss: bool = option(False, "Average the loss over tokens instead of over samples.")
     ref_load: str = option("", "Checkpoint read by the reference model for KL terms.")
-    use_tis: bool = option(False, "Truncated importance sampling against the rollout log-probs.")
+    use_tis: bool = option(False, "Truncated importance sampling against the rollout log-probs (on by default when async_mode or fully_async is set).")
     tis_clip: float = option(2.0, "Upper clamp of the truncated importance-sampling weight.")
     tis_clip_low: float = option(
         0.0, "Lower bound of the importance weight: truncate mode clamps it into [tis_clip_low, tis_clip]."

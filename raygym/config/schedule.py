@@ -90,6 +90,23 @@ def spell_schedule(fields: dict[str, Any]) -> dict[str, Any]:
     return {**rest, **schedule_fields(fields["schedule"], rest)}
 
 
+def off_policy_defaults(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with TIS on (``use_tis=True``) when the schedule is off-policy (one-step-off or fully
+    asynchronous) and ``use_tis`` is not given. A sample then comes from weights one or more updates old; the
+    truncated importance weight against the engine's log-probs is what keeps such a run stable (one-step-off
+    without it collapsed at step 28-39 on the long-tail task), and it costs no extra pass
+    (:func:`raygym.trainer.decisions.reuses_current_log_probs`). An explicit ``use_tis=False`` stays off.
+
+    >>> off_policy_defaults({"async_mode": True})["use_tis"], off_policy_defaults({"fully_async": True})["use_tis"]
+    (True, True)
+    >>> off_policy_defaults({"async_mode": True, "use_tis": False})["use_tis"], "use_tis" in off_policy_defaults({})
+    (False, False)
+    """
+    if "use_tis" in fields or not (fields.get("async_mode") or fields.get("fully_async")):
+        return fields
+    return {**fields, "use_tis": True}
+
+
 def schedule_fields(spelled: Any, given: dict[str, Any]) -> dict[str, Any]:
     """The flat recipe fields a ``schedule`` value stands for: a name (``"fully_async"``) or a :data:`Schedule`
     (which also carries ``FullyAsync``'s bound and policy). ``given``: the fields passed beside it; a mode field

@@ -43,6 +43,7 @@ from raygym.engines.launch.sglang import (
     DELTA_LOADER,
     build_raygym_server_argv,
     build_sglang_argv,
+    raygym_cpu_cores,
     raygym_cpu_threads,
     raygym_max_running_requests,
     render_sglang_config,
@@ -349,6 +350,8 @@ class EngineActor:
             max_running_requests=raygym_max_running_requests(self.settings),
             max_threads=(raygym_cpu_threads(self.settings, len(os.sched_getaffinity(0)))
                          if self._device_kind() == "cpu" else None),
+            cpu_cores=(raygym_cpu_cores(self.settings, sorted(os.sched_getaffinity(0)))
+                       if self._device_kind() == "cpu" else None),
             custom_weight_loaders=[DELTA_LOADER],
             weight_version=self.weight_version,
             seed=self.settings.seed,

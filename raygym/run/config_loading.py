@@ -12,7 +12,7 @@ from raygym import presets
 from raygym.builtin import BUILTIN_PREFIX, is_builtin
 from raygym.config.flags import FLAGS, RUN_FIELDS, SECTION_MODELS, SECTIONS, parse_flags
 from raygym.config.run import TrainConfig
-from raygym.config.schedule import spell_schedule
+from raygym.config.schedule import off_policy_defaults, spell_schedule
 from raygym.errors import ConfigError
 
 _VALUE_FLAGS = {f"--{s.flag}" for s in FLAGS if s.kind != "bool"} | {"--preset"}
@@ -126,6 +126,8 @@ def load_train_config(args: Sequence[str]) -> TrainConfig:
     for section in SECTIONS:
         layers[section].update(flag_layers[section])
 
+    # an off-policy schedule the user asked for turns TIS on unless they set use_tis (the preset's value is no choice)
+    layers["recipe"] = off_policy_defaults(layers["recipe"])
     if preset_name is None and is_builtin(layers["model"].get("hf_checkpoint", BUILTIN_PREFIX)):
         preset_name = "tiny"
     if preset_name is not None:

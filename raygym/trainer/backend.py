@@ -78,6 +78,7 @@ class TrainerSettings:
     loss: RLLossConfig  # the loss view of the recipe (raygym.algo.rl_loss)
     engine_threads: int  # CPU threads of engines decoding while this trainer trains (0 unless async, not colocated)
     hook_recipe: Recipe | None = field(repr=False, compare=False)  # a custom_megatron_* hook's first argument
+    cpu_placement: str  # "disjoint": pinned to its own cores while engines decode beside it (cpu_training_cores)
     # optimizer
     lr: float
     min_lr: float

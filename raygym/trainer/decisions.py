@@ -1,10 +1,14 @@
 """What the trainer backends decide from their settings before they train: the torch backend's compute
-dtype, the CPU threads of a rank, and whether the separate old-log-prob pass can be skipped."""
+dtype, the CPU cores and threads of a rank, and whether the separate old-log-prob pass can be skipped."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+
 import torch
 
+from raygym.cluster.cpu_threads import dedicate_torch_threads, pin_process, split_cores
 from raygym.errors import ConfigError
 from raygym.trainer.backend import TrainerSettings
 
@@ -13,7 +17,12 @@ def reuses_current_log_probs(s: TrainerSettings) -> bool:
     """Whether the separate old-log-prob forward pass is redundant: with one optimizer step per rollout
     the old (pre-update) policy IS the current one, so ``old_log_probs == current log-probs.detach()``
     (ratio 1) — provided nothing else needs them before training: no KL loss or reward KL (reference
-    pass), no TIS, no PPO critic, no log-prob hook.
+    pass), no PPO critic, no log-prob hook.
+
+    TIS does not need the pass either: its weights compare the trainer's policy before the update (the
+    detached current log-probs, the same numbers the pass would compute) with the engine's log-probs, the
+    behaviour policy of samples made by older weights (decoupled PPO). That pass was fully asynchronous
+    training's extra forward over every sample.
 
     >>> from raygym.config import ModelConfig, Recipe, TrainConfig
     >>> def settings(**fields):
@@ -28,11 +37,43 @@ def reuses_current_log_probs(s: TrainerSettings) -> bool:
         s.global_batch_size == s.rollout_batch_size * s.n_samples_per_prompt
         and not s.use_kl_loss
         and s.kl_coef == 0.0
-        and not s.use_tis
         and s.advantage_estimator != "ppo"
         and not s.use_critic
         and not s.custom_megatron_before_log_prob_hook
     )
+
+
+def cpu_training_cores(cores: Sequence[int], local_rank: int, local_ranks: int, busy_cores: int,
+                       placement: str) -> tuple[int, ...] | None:
+    """The cores a CPU trainer rank is pinned to when engines decode beside it (``busy_cores`` > 0) and
+    ``cpu_placement`` is ``"disjoint"``: its slice of :func:`raygym.cluster.cpu_threads.split_cores`, the
+    engines keeping the last cores. None: not pinned (no overlap, ``"shared"``, or too few cores).
+
+    >>> cpu_training_cores([0, 1], 0, 1, busy_cores=1, placement="disjoint")
+    (0,)
+    >>> cpu_training_cores([0, 1], 0, 1, busy_cores=0, placement="disjoint") is None
+    True
+    """
+    if placement != "disjoint" or busy_cores == 0:
+        return None
+    split = split_cores(cores, busy_cores, local_ranks)
+    return None if split is None else split.trainer[local_rank]
+
+
+def set_cpu_training_cores(s: TrainerSettings, local_rank: int, local_ranks: int) -> int:
+    """Give the calling thread of a CPU trainer rank its cores and torch threads (its helper threads run serially:
+    :func:`raygym.cluster.cpu_threads.dedicate_torch_threads`); returns the thread count. ``local_ranks``: the
+    node's trainer ranks of this role (a PPO critic's ranks train at the same time as the policy's, on shared
+    cores)."""
+    if s.use_critic:
+        local_ranks *= 2
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = None if s.use_critic else cpu_training_cores(cores, local_rank, local_ranks, s.engine_threads,
+                                                            s.cpu_placement)
+    if pinned is not None:
+        pin_process(pinned)
+    return dedicate_torch_threads(len(pinned) if pinned else cpu_training_threads(len(cores), local_ranks,
+                                                                                  s.engine_threads))
 
 
 def cpu_training_threads(cores: int, local_ranks: int, busy_cores: int = 0) -> int:

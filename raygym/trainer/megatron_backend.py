@@ -161,13 +161,10 @@ class MegatronBackend(MegatronWeights, TrainerBackend):
         }
 
     def _set_cpu_threads(self) -> None:
-        from raygym.cluster.cpu_threads import dedicate_torch_threads
-        from raygym.trainer.decisions import cpu_training_threads
+        from raygym.trainer.decisions import set_cpu_training_cores
 
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        busy = self.settings.engine_threads
-        # this thread trains on the cores; helper threads (weight-sync encoders) run serially
-        dedicate_torch_threads(cpu_training_threads(len(os.sched_getaffinity(0)), local_ranks, busy))
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        set_cpu_training_cores(self.settings, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
 
     def _wrap_for_training(self, model: Any) -> Any:
         from megatron.core.distributed import (

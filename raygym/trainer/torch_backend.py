@@ -45,7 +45,6 @@ from raygym.algo.losses import entropy_from_logits
 from raygym.algo.mismatch import MismatchTally
 from raygym.algo.rl_loss import rl_loss
 from raygym.builtin import resolve_model_path
-from raygym.cluster.cpu_threads import dedicate_torch_threads
 from raygym.errors import ConfigError
 from raygym.lora import LoraSpec
 from raygym.trainer.backend import (
@@ -61,9 +60,9 @@ from raygym.trainer.batch import TrainBatch
 from raygym.trainer.contract import LogProbResult, advantage_stats, step_metrics_summary
 from raygym.trainer.decisions import (
     compute_dtype,
-    cpu_training_threads,
     has_active_dropout,
     reuses_current_log_probs,
+    set_cpu_training_cores,
 )
 from raygym.trainer.optim import LrSchedule, build_optimizer, split_frozen
 from raygym.trainer.routing_replay import HFRoutingReplay
@@ -132,12 +131,7 @@ class TorchBackend(TorchWeights, TrainerBackend):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         else:
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-            if s.use_critic:
-                local_ranks *= 2  # the policy's and the critic's ranks train at the same time
-            busy = s.engine_threads
-            # this thread trains on the cores; helper threads (weight-sync encoders) run serially
-            dedicate_torch_threads(cpu_training_threads(len(os.sched_getaffinity(0)), local_ranks, busy))
+            set_cpu_training_cores(s, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)))
         if self.world_size > 1 and not dist.is_initialized():
             dist.init_process_group(
                 backend="nccl" if self.device.type == "cuda" else "gloo",

@@ -50,6 +50,11 @@ def test_fully_async_learns_with_bounded_staleness(ray_local, tmp_path):
         # tokens the trainer's current weights generated match its own log-probs (fp32 engine and trainer)
         assert r.get("rollout/logprob_mismatch_max/staleness_0", 0.0) < 1e-3
     assert max(r["rollout/staleness_max"] for r in rows) >= 1  # it did run ahead of the trainer
+    assert all(r["perf/log_probs_time"] < 1e-3 for r in rows), [r["perf/log_probs_time"] for r in rows]  # no old pass
+    if len(os.sched_getaffinity(0)) >= 2:  # cpu_placement="disjoint": the engine decodes on a core of its own
+        ready = (tmp_path / "run" / "logs" / "server-0.log").read_text()
+        last_core = max(os.sched_getaffinity(0))
+        assert f"pinned to cores {last_core}" in ready, ready[-2000:]
     keys = [k for line in (tmp_path / "run" / "prompts.jsonl").read_text().splitlines()
             for k in json.loads(line)["prompt_key"]]
     assert len(keys) == 40 * recipe.rollout_batch_size == len(set(keys))

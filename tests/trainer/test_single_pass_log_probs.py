@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_torch_backend import params_of
@@ -25,12 +27,16 @@ def test_which_settings_make_the_old_pass_redundant():
         {"global_batch_size": 4},  # two optimizer steps: the second one's old policy is not the current one
         {"use_kl_loss": True},
         {"kl_coef": 0.1},
-        {"use_tis": True},
         {"advantage_estimator": "ppo", "use_critic": True},  # PPO (which needs its critic)
         {"use_critic": True},
         {"custom_megatron_before_log_prob_hook": "pkg.mod:fn"},
     ):
         assert not reuses_current_log_probs(trainer_settings("m", **{**ONE_STEP, **change})), change
+
+
+def test_tis_keeps_the_single_pass():
+    """TIS weighs the trainer's pre-update log-probs against the engine's: the detached current ones serve."""
+    assert reuses_current_log_probs(trainer_settings("m", **ONE_STEP, use_tis=True))
 
 
 def test_dropout_rules_the_single_pass_out(tiny_model_path):
@@ -87,3 +93,23 @@ def test_train_step_without_old_log_probs_matches_the_two_pass_step(tiny_model_p
     assert not torch.equal(after_one["lm_head.weight"], before["lm_head.weight"])
     for name in after_two:
         assert torch.equal(after_one[name], after_two[name]), name
+
+
+def test_tis_train_step_without_the_old_pass_matches_the_two_pass_step(tiny_model_path):
+    """Fully asynchronous training (TIS on): the engine's log-probs, made by older weights, differ from the
+    trainer's; the single pass gives the same corrections, loss and update as a separate old-log-prob pass."""
+    settings = grpo_settings(tiny_model_path, use_tis=True, tis_clip=1.5)
+    one, two = TorchBackend(settings), TorchBackend(settings)
+    one.init()
+    two.init()
+    base = make_batch(seed=9).with_advantages("grpo")
+    rng = torch.Generator().manual_seed(0)
+    own = one.compute_log_probs(base)["log_probs"]  # the engine's = the trainer's, shifted as stale ones are
+    batch = replace(base, rollout_log_probs=[lp + 0.4 * torch.randn(lp.shape, generator=rng) for lp in own])
+    m_one = one.train_step(batch, 0)
+    m_two = two.train_step(batch.with_log_probs(two.compute_log_probs(batch)), 0)
+    assert 0 < m_one["train/tis_clipped_frac"] < 1  # the weights are not all 1: the correction is exercised
+    for key in ("train/pg_loss", "train/tis_weight", "train/tis_clipped_frac", "train/grad_norm"):
+        assert m_one[key] == m_two[key], key
+    for name, value in params_of(two).items():
+        assert torch.equal(params_of(one)[name], value), name

@@ -166,6 +166,7 @@ RAYGYM_DEFAULTS = {
     "fully_async": False,
     "max_staleness": 2,
     "stale_sample_policy": "regenerate",
+    "cpu_placement": "disjoint",
     # LoRA (raygym/lora.py)
     "lora_rank": 0,
     "lora_alpha": 16,

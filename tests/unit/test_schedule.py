@@ -69,3 +69,18 @@ def test_plan_prints_the_schedule():
     out = subprocess.run([sys.executable, "-m", "raygym", "plan", "--schedule", "fully_async", "--max-staleness", "3"],
                          capture_output=True, text=True, check=True).stdout
     assert "schedule: fully_async (generation runs up to 3 steps ahead; a group older than that is regenerated)" in out
+
+
+@pytest.mark.parametrize(("flags", "use_tis"), [
+    ([], False),
+    (["--async-mode"], True),  # off-policy: TIS on by default, over the preset's use_tis=False
+    (["--schedule", "fully_async"], True),
+    (["--async-mode", "--no-use-tis"], False),  # an explicit choice stays
+    (["--use-tis"], True),
+])
+def test_an_off_policy_schedule_turns_tis_on_unless_use_tis_is_given(flags, use_tis):
+    cfg = load_train_config(flags)
+    assert cfg.recipe.use_tis is use_tis
+    assert TrainConfig.from_cli_args(cfg.cli_args()).recipe.use_tis is use_tis
+    assert Recipe(colocate=False, async_mode=True).use_tis is True  # the Python API: the same default
+    assert Recipe(colocate=False, async_mode=True, use_tis=False).use_tis is False

@@ -18,6 +18,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from raygym.cluster.cpu_threads import split_cores
 from raygym.config import Recipe
 from raygym.config.schedule import Sync
 from raygym.engine_api.kinds import DIRECT_LOADER, MODEL_LOADER, check_routing_replay, version_tuple
@@ -84,6 +85,26 @@ def raygym_cpu_threads(recipe: Recipe, cores: int) -> int:
     engines = recipe.gpu_allocation().rollout_engines
     overlapped = not isinstance(recipe.schedule, Sync) and not recipe.colocate
     return 1 if overlapped else max(1, cores // max(1, engines))
+
+
+def raygym_cpu_cores(recipe: Recipe, cores: Sequence[int]) -> tuple[int, ...] | None:
+    """The cores raygym's servers on a node of ``cores`` are pinned to (their ``--cpu-cores``): with
+    ``cpu_placement="disjoint"``, when they decode while the trainer trains, the last cores, one per engine, the
+    trainer ranks keeping the others (``raygym.trainer.decisions.cpu_training_cores``: the same split). None:
+    not pinned.
+
+    >>> from raygym.presets import tiny
+    >>> raygym_cpu_cores(tiny().replace(async_mode=True), [0, 1]), raygym_cpu_cores(tiny(), [0, 1])
+    ((1,), None)
+    >>> raygym_cpu_cores(tiny().replace(async_mode=True, cpu_placement="shared"), [0, 1]) is None
+    True
+    """
+    engines = recipe.gpu_allocation().rollout_engines
+    overlapped = not isinstance(recipe.schedule, Sync) and not recipe.colocate
+    if recipe.cpu_placement != "disjoint" or not overlapped:
+        return None
+    split = split_cores(cores, max(1, engines), recipe.actor_num_gpus_per_node)
+    return None if split is None else split.engines
 
 
 def raygym_max_running_requests(recipe: Recipe) -> int:
@@ -242,6 +263,7 @@ def build_raygym_server_argv(
     dtype: str = "auto",
     max_running_requests: int = 64,
     max_threads: int | None = None,
+    cpu_cores: Sequence[int] | None = None,
     custom_weight_loaders: Sequence[str] = (),
     weight_version: str | int | None = None,
     seed: int | None = None,
@@ -251,7 +273,8 @@ def build_raygym_server_argv(
     """``python -m raygym.engines.raygym_server.server ...`` (the built-in server, CPU or GPU). Its API key comes from
     the environment (``raygym.engine_api.auth.ENGINE_API_KEY_ENV``), never from this command line.
     ``return_routed_experts``: MoE routing replay (the server keeps its routers' choices for requests that ask).
-    ``max_threads``: the CPU cores it may decode on (None: one; the server uses them for models large enough)."""
+    ``max_threads``: the CPU cores it may decode on (None: one; the server uses them for models large enough).
+    ``cpu_cores``: the cores it is pinned to (None: not pinned)."""
     if host == "0.0.0.0":
         raise ConfigError("host='0.0.0.0': engines bind their node IP or 127.0.0.1; pass the node IP")
     if max_running_requests < 1:
@@ -260,6 +283,8 @@ def build_raygym_server_argv(
     argv += ["--device", device, "--dtype", dtype, "--max-running-requests", str(max_running_requests)]
     if max_threads is not None:
         argv += ["--max-threads", str(max_threads)]
+    if cpu_cores:
+        argv += ["--cpu-cores", ",".join(map(str, cpu_cores))]
     if custom_weight_loaders:
         argv += ["--custom-weight-loader", *custom_weight_loaders]
     if weight_version is not None:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from aiohttp import web
 
-from raygym.cluster.cpu_threads import make_serial_default
+from raygym.cluster.cpu_threads import make_serial_default, pin_process
 from raygym.engine_api import protocol
 from raygym.engine_api.auth import engine_api_key
 from raygym.engine_api.protocol import STATE_CHANGING, Endpoint
@@ -389,6 +389,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-threads", type=int, default=1,
                    help="CPU cores this server may decode on (the launcher grants them when rollout and training "
                         "take turns); used by models large enough to gain from them")
+    p.add_argument("--cpu-cores", default=None, type=_core_list,
+                   help="comma-separated CPU cores this server runs on (pinned; the launcher's split when engines "
+                        "decode while the trainer trains)")
     p.add_argument("--lora-config", default=None,
                    help="LoRA: attach adapters of this spec (raygym.lora.LoraSpec.to_json), B = 0, synced later")
     p.add_argument("--lora-adapter", default=None, help="LoRA: attach and load this PEFT adapter directory")
@@ -416,7 +419,19 @@ def cpu_decode_threads(granted: int, params: int) -> int:
     return max(1, granted) if params >= 1_000_000 else 1
 
 
+def _core_list(text: str) -> list[int]:
+    try:
+        cores = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of core numbers, e.g. 2,3") from None
+    if not cores or min(cores) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of core numbers, e.g. 2,3")
+    return cores
+
+
 async def serve(args: argparse.Namespace) -> None:
+    if args.cpu_cores:  # before any thread starts: torch's and the server's inherit it
+        pin_process(args.cpu_cores)
     device = resolve_device(args.device)
     torch.manual_seed(args.seed)
     model, tokenizer, local_path = load_model(args.model_path, device, args.dtype)
@@ -468,6 +483,7 @@ async def serve(args: argparse.Namespace) -> None:
     site = web.TCPSite(runner, args.host, args.port)
     await site.start()
     shown = f", {threads} thread(s)" if threads is not None else ""
+    shown += f", pinned to cores {','.join(map(str, args.cpu_cores))}" if args.cpu_cores else ""
     print(f"raygym server ready on http://{args.host}:{args.port} (model {local_path}, {device}{shown})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
