@@ -22,7 +22,9 @@ Figures (one JSON line each, with the machine):
   ``rollout_s``, ``train_s`` against ``train_s``; see ``benchmarks/trl_baseline.py``), and samples/s of both;
 - ``async_vs_sync_step_s``, ``fully_async_vs_sync_step_s``: one-step-off (``--async-mode``) and fully
   asynchronous (``--fully-async``, max_staleness 2) step time against the sync step time of the same run, both with
-  TIS (their default: ``raygym.config.schedule.off_policy_defaults``);
+  TIS (their default: ``raygym.config.schedule.off_policy_defaults``), and ``samples_per_s_ratio`` (sync's step /
+  theirs). ``--placement`` (default ``disjoint``, the recipe's ``cpu_placement``): the asynchronous runs' trainer
+  and engine on disjoint cores (pinned, as on GPUs) or ``shared`` (the OS schedules both on every core);
 - ``raygym_vs_trl_step_s`` / ``raygym_async_vs_trl_step_s`` / ``raygym_fully_async_vs_trl_step_s``: raygym's
   step time against TRL's
   ``GRPOTrainer`` on the same task, model, group size, prompts per step, response length and learning
@@ -130,10 +132,11 @@ def split(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
 
 
 def run_raygym(mode: str, steps: int, work: Path, model_path: str, max_new_tokens: int,
-               task: str = "next-digit") -> list[dict[str, Any]]:
+               task: str = "next-digit", placement: str = "disjoint") -> list[dict[str, Any]]:
     from raygym.run.driver import train
 
-    recipe = bench_recipe(max_new_tokens, task, num_rollout=steps, async_mode=(mode == "async"),
+    recipe = bench_recipe(max_new_tokens, task, num_rollout=steps, cpu_placement=placement,
+                          async_mode=(mode == "async"),
                           fully_async=(mode == "fully_async"), use_tis=(mode != "sync"))  # TIS: the off-policy default
     with contextlib.redirect_stdout(sys.stderr):  # progress lines to stderr: stdout carries only JSON lines
         result = train(bench_config(work / mode, model_path, recipe, task))
@@ -168,17 +171,19 @@ def bench_model(name: str, task: str, work: Path, args: argparse.Namespace, info
     recipe = bench_recipe(max_new_tokens, task)
     samples = recipe.rollout_batch_size * recipe.n_samples_per_prompt
     setup = {"model": name, "params": params, "task": f"builtin:{task}", "prompts": recipe.rollout_batch_size,
-             "group": recipe.n_samples_per_prompt, "max_new_tokens": max_new_tokens, "lr": recipe.lr}
+             "group": recipe.n_samples_per_prompt, "max_new_tokens": max_new_tokens, "lr": recipe.lr,
+             "cpu_placement": args.placement}
     trl_runs = [run_trl(args.trl_python, model_path, args.steps, args.warmup, recipe, task)] if args.trl_python else []
     results: dict[str, dict[str, float]] = {}
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        rows = run_raygym(mode, args.steps, work, model_path, max_new_tokens, task)
+        rows = run_raygym(mode, args.steps, work, model_path, max_new_tokens, task, args.placement)
         results[mode] = split(rows, args.warmup)
         emit(f"raygym_step_split_{mode}", info, **results[mode], setup=setup)
     for mode in ("async", "fully_async"):
         if "sync" in results and mode in results:
             emit(f"{mode}_vs_sync_step_s", info, value=results[mode]["step_s"], baseline=results["sync"]["step_s"],
-                 ratio=results[mode]["step_s"] / results["sync"]["step_s"], setup=setup)
+                 ratio=results[mode]["step_s"] / results["sync"]["step_s"],
+                 samples_per_s_ratio=results["sync"]["step_s"] / results[mode]["step_s"], setup=setup)
     if not args.trl_python:
         print("# TRL figures skipped: pass --trl-python or set TRL_PYTHON (see this script's docstring)",
               file=sys.stderr)
@@ -210,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="sync,async,fully_async", help="comma-separated: sync, async, fully_async")
     p.add_argument("--models", default="ref,tiny", help=f"comma-separated model sizes: {', '.join(MODEL_SIZES)}")
     p.add_argument("--tasks", default="next-digit", help=f"comma-separated builtin tasks: {', '.join(TASKS)}")
+    p.add_argument("--placement", default="disjoint", choices=("disjoint", "shared"),
+                   help="cpu_placement of the raygym runs: async trainer and engine on disjoint cores, or shared")
     args = p.parse_args(argv)
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
