@@ -119,3 +119,38 @@ def test_raygym_servers_generation_thread_claims_the_cores_and_its_helpers_stay_
                           "helper": in_thread(torch.get_num_threads)}))
     """)
     assert out == {"generation": 2, "main": 1, "helper": 1}
+
+
+def test_async_trainer_and_engine_take_disjoint_cores_and_shared_leaves_them_free():
+    """``cpu_placement="disjoint"``: while engines decode beside it, a trainer rank is pinned to its slice and
+    the servers to the last cores (the same split on both sides); sync runs and ``"shared"`` pin nothing."""
+    from raygym.engines.launch.sglang import raygym_cpu_cores
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core here: there is no second core to split off")
+    cores = sorted(os.sched_getaffinity(0))
+    one_step_off = tiny().replace(async_mode=True)
+    assert raygym_cpu_cores(one_step_off, cores) == (cores[-1],)
+    assert raygym_cpu_cores(tiny(), cores) is None
+    assert raygym_cpu_cores(one_step_off.replace(cpu_placement="shared"), cores) is None
+    out = _run_child("""
+        from raygym import ModelConfig, TrainConfig
+        from raygym.presets import tiny
+        from raygym.trainer.backend import TrainerSettings
+        from raygym.trainer.decisions import set_cpu_training_cores
+
+        def settings(**fields):
+            cfg = TrainConfig(recipe=tiny().replace(**fields), model=ModelConfig(hf_checkpoint="m"))
+            return TrainerSettings.from_config(cfg)
+
+        all_cores = sorted(os.sched_getaffinity(0))
+        sync_threads = set_cpu_training_cores(settings(), 0, 1)
+        after_sync = sorted(os.sched_getaffinity(0))
+        threads = set_cpu_training_cores(settings(async_mode=True), 0, 1)
+        helper_cores = in_thread(lambda: sorted(os.sched_getaffinity(0)))
+        print(json.dumps({"all": all_cores, "sync_threads": sync_threads, "after_sync": after_sync,
+                          "threads": threads, "pinned": sorted(os.sched_getaffinity(0)), "helper": helper_cores}))
+    """)
+    assert out["after_sync"] == out["all"] and out["sync_threads"] == len(out["all"])  # sync: every core, unpinned
+    assert out["pinned"] == out["helper"] == out["all"][:-1]  # every thread of the rank, the engines' core left out
+    assert out["threads"] == len(out["all"]) - 1
