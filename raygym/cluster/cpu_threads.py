@@ -1,5 +1,6 @@
-"""One thread of a process spreads torch's CPU work over the process's cores; every other thread runs its
-torch work alone.
+"""CPU cores and torch threads of raygym's processes: one thread of a process spreads torch's CPU work over the
+process's cores, every other thread runs its torch work alone; trainer ranks and engines that compute at the
+same time get disjoint cores (:func:`split_cores`, :func:`pin_process`), as they get disjoint GPUs.
 
 Why: libgomp, the OpenMP runtime of torch's CPU wheels, gives each thread that opens a parallel region a team
 of its own, kept for as long as that thread lives. Once a process holds more OpenMP threads than it has cores,
@@ -70,7 +71,8 @@ def _runtime() -> _Runtime | None:
     torch_cpu = _loaded_library("libtorch_cpu")
     if torch_cpu is not None:
         try:
-            mkl_local = ctypes.CDLL(torch_cpu).MKL_Set_Num_Threads_Local  # the C entry (the lower-case one is Fortran's, by pointer)
+            # the C entry point: the lower-case symbol is Fortran's, which takes its argument by pointer
+            mkl_local = ctypes.CDLL(torch_cpu).MKL_Set_Num_Threads_Local
             mkl_local.argtypes, mkl_local.restype = [ctypes.c_int], ctypes.c_int
         except (OSError, AttributeError):  # a build without MKL (OpenBLAS follows OpenMP's count)
             mkl_local = None
