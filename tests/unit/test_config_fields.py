@@ -28,6 +28,7 @@ READ_BY = {
         "actor_num_nodes": "raygym/config/recipe_fields.py",
         "actor_num_gpus_per_node": "raygym/config/recipe_fields.py",
         "colocate": "raygym/run/loop.py",
+        "cpu_placement": "raygym/engines/launch/sglang.py",
         "rollout_num_gpus": "raygym/config/recipe_fields.py",
         "rollout_num_gpus_per_engine": "raygym/engines/actor.py",
         "tensor_model_parallel_size": "raygym/trainer/megatron_model.py",
