@@ -4,7 +4,8 @@ The task is ``builtin:long-tail`` (most answers a few tokens, one prompt in eigh
 ``--max-response-len`` tokens), the model the ``tiny`` preset's, the same seed for every run. Modes:
 
 - ``sync``: generate, train, sync, repeat (the baseline);
-- ``one_step_off``: ``--async-mode`` (the rollout of step k+1 overlaps training k);
+- ``one_step_off``: ``--async-mode`` (the rollout of step k+1 overlaps training k), with TIS (its default);
+- ``one_step_off_nocorr``: the same without TIS (``--no-use-tis``: the run that collapsed at step 28-39);
 - ``fully_async_k<K>``: ``--fully-async --max-staleness K`` with the off-policy corrections on (``--use-tis``);
 - ``fully_async_k2_nocorr``: K=2 without them (the curve the corrections are compared with).
 
@@ -39,7 +40,8 @@ from typing import Any
 
 MODES: dict[str, dict[str, Any]] = {
     "sync": {},
-    "one_step_off": {"async_mode": True},
+    "one_step_off": {"async_mode": True, "use_tis": True},  # the default of an off-policy schedule
+    "one_step_off_nocorr": {"async_mode": True, "use_tis": False},
     "fully_async_k1": {"fully_async": True, "max_staleness": 1, "use_tis": True},
     "fully_async_k2": {"fully_async": True, "max_staleness": 2, "use_tis": True},
     "fully_async_k4": {"fully_async": True, "max_staleness": 4, "use_tis": True},
