@@ -18,7 +18,7 @@ from raygym.config import recipe_checks
 from raygym.config.constants import CUSTOM_FUNCTION_FIELDS
 from raygym.config.flags import encode_section
 from raygym.config.recipe_fields import RecipeFields
-from raygym.config.schedule import Schedule, off_policy_defaults, schedule_of, spell_schedule
+from raygym.config.schedule import Schedule, Sync, off_policy_defaults, schedule_of, spell_schedule
 from raygym.config.sections import ModelConfig
 
 
@@ -56,6 +56,16 @@ class Recipe(RecipeFields):
         """
         return schedule_of(async_mode=self.async_mode, fully_async=self.fully_async,
                            max_staleness=self.max_staleness, stale_sample_policy=self.stale_sample_policy)
+
+    @property
+    def engines_overlap_training(self) -> bool:
+        """Whether engines generate while the trainer trains: an asynchronous schedule on engines of their own
+        (colocated engines are released while the trainer trains).
+
+        >>> Recipe(colocate=False, rollout_num_gpus=8, async_mode=True).engines_overlap_training, Recipe().engines_overlap_training
+        (True, False)
+        """
+        return not isinstance(self.schedule, Sync) and not self.colocate
 
     def model_parallel_requests(self) -> list[str]:
         """``field=value`` of every model-parallel setting asked for (sizes > 1, ``sequence_parallel``): only

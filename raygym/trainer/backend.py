@@ -51,7 +51,6 @@ from raygym.callables import load_callable
 from raygym.checkpoint.state import CheckpointState
 from raygym.config.base import CustomFunction
 from raygym.config.recipe import Recipe
-from raygym.config.schedule import Sync
 from raygym.config.views import build_view, recipe_view
 from raygym.errors import ConfigError
 from raygym.trainer.contract import LogProbResult
@@ -157,8 +156,7 @@ class TrainerSettings:
                  "num_experts": model.num_experts, "moe_router_topk": model.moe_router_topk}
         # In async_mode and fully_async (never colocated) every raygym CPU server decodes on its one thread while
         # the trainer trains (raygym.engines.raygym_server.server --num-threads); a synchronous step leaves the engines idle.
-        overlapped = not isinstance(recipe.schedule, Sync) and not recipe.colocate
-        engine_threads = recipe.gpu_allocation().rollout_engines if overlapped else 0
+        engine_threads = recipe.gpu_allocation().rollout_engines if recipe.engines_overlap_training else 0
         hooked = recipe.custom_megatron_before_log_prob_hook or recipe.custom_megatron_before_train_step_hook
         return build_view(
             cls, recipe, hf_checkpoint=model.hf_checkpoint, ref_load=recipe.ref_load or model.ref_checkpoint or "",

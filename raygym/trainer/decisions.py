@@ -63,17 +63,15 @@ def cpu_training_cores(cores: Sequence[int], local_rank: int, local_ranks: int, 
 def set_cpu_training_cores(s: TrainerSettings, local_rank: int, local_ranks: int) -> int:
     """Give the calling thread of a CPU trainer rank its cores and torch threads (its helper threads run serially:
     :func:`raygym.cluster.cpu_threads.dedicate_torch_threads`); returns the thread count. ``local_ranks``: the
-    node's trainer ranks of this role (a PPO critic's ranks train at the same time as the policy's, on shared
-    cores)."""
-    if s.use_critic:
-        local_ranks *= 2
+    node's trainer ranks of this role."""
     cores = sorted(os.sched_getaffinity(0))
-    pinned = None if s.use_critic else cpu_training_cores(cores, local_rank, local_ranks, s.engine_threads,
-                                                            s.cpu_placement)
-    if pinned is not None:
-        pin_process(pinned)
-    return dedicate_torch_threads(len(pinned) if pinned else cpu_training_threads(len(cores), local_ranks,
-                                                                                  s.engine_threads))
+    if s.use_critic:  # the critic's ranks train beside the policy's: both share the cores, unpinned
+        return dedicate_torch_threads(cpu_training_threads(len(cores), 2 * local_ranks, s.engine_threads))
+    pinned = cpu_training_cores(cores, local_rank, local_ranks, s.engine_threads, s.cpu_placement)
+    if pinned is None:
+        return dedicate_torch_threads(cpu_training_threads(len(cores), local_ranks, s.engine_threads))
+    pin_process(pinned)
+    return dedicate_torch_threads(len(pinned))
 
 
 def cpu_training_threads(cores: int, local_ranks: int, busy_cores: int = 0) -> int:

@@ -20,7 +20,6 @@ from typing import Any
 
 from raygym.cluster.cpu_threads import split_cores
 from raygym.config import Recipe
-from raygym.config.schedule import Sync
 from raygym.engine_api.kinds import DIRECT_LOADER, MODEL_LOADER, check_routing_replay, version_tuple
 from raygym.errors import ConfigError
 from raygym.routed_experts import SERVER_FLAG
@@ -83,8 +82,7 @@ def raygym_cpu_threads(recipe: Recipe, cores: int) -> int:
     4
     """
     engines = recipe.gpu_allocation().rollout_engines
-    overlapped = not isinstance(recipe.schedule, Sync) and not recipe.colocate
-    return 1 if overlapped else max(1, cores // max(1, engines))
+    return 1 if recipe.engines_overlap_training else max(1, cores // max(1, engines))
 
 
 def raygym_cpu_cores(recipe: Recipe, cores: Sequence[int]) -> tuple[int, ...] | None:
@@ -99,11 +97,9 @@ def raygym_cpu_cores(recipe: Recipe, cores: Sequence[int]) -> tuple[int, ...] | 
     >>> raygym_cpu_cores(tiny().replace(async_mode=True, cpu_placement="shared"), [0, 1]) is None
     True
     """
-    engines = recipe.gpu_allocation().rollout_engines
-    overlapped = not isinstance(recipe.schedule, Sync) and not recipe.colocate
-    if recipe.cpu_placement != "disjoint" or not overlapped:
+    if recipe.cpu_placement != "disjoint" or not recipe.engines_overlap_training:
         return None
-    split = split_cores(cores, max(1, engines), recipe.actor_num_gpus_per_node)
+    split = split_cores(cores, max(1, recipe.gpu_allocation().rollout_engines), recipe.actor_num_gpus_per_node)
     return None if split is None else split.engines
 
 

@@ -423,7 +423,7 @@ def _core_list(text: str) -> list[int]:
     try:
         cores = [int(c) for c in text.split(",") if c.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of core numbers, e.g. 2,3") from None
+        cores = []
     if not cores or min(cores) < 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of core numbers, e.g. 2,3")
     return cores
