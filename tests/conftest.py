@@ -24,6 +24,8 @@ os.environ.setdefault("RAY_TMPDIR", _RAY_TMP)
 TESTS = Path(__file__).resolve().parent
 # Whole training runs (the e2e marker): every test under these folders.
 E2E_DIRS = ("e2e", "example_runs")
+# raygym from its wheel in a fresh venv (the wheel marker): every test under this folder.
+WHEEL_DIRS = ("wheel",)
 # Tests that start Ray (the ray marker): these folders, and any test using these fixtures.
 RAY_DIRS = ("ray",)
 RAY_FIXTURES = ("ray_local",)
@@ -37,6 +39,7 @@ def pytest_collection_modifyitems(config, items):
     """Adds the markers that define the fast lane, by where a test lives and what it uses:
 
     - ``e2e`` to every test under tests/e2e and tests/example_runs (whole runs of the tiny model);
+    - ``wheel`` to every test under tests/wheel (raygym installed from its wheel, run outside the checkout);
     - ``ray`` to every test under tests/ray and every test requesting the ``ray_local`` fixture;
     - ``slow`` to every test under tests/rollout (HTTP engine servers), tests/sandbox (sandboxed
       processes), tests/tasks (an engine server per module), tests/weightsync (gloo groups across
@@ -44,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
 
     Markers set in the test files are kept; the fast lane is
     ``pytest -m "not e2e and not ray and not slow and not gpu and not sglang and not megatron and not
-    modal and not sglang_cpu and not vllm_cpu"``.
+    modal and not sglang_cpu and not vllm_cpu and not wheel"``.
     """
     for item in items:
         path = Path(str(item.fspath)).resolve()
@@ -54,6 +57,8 @@ def pytest_collection_modifyitems(config, items):
         fixtures = set(getattr(item, "fixturenames", ()))
         if folder in E2E_DIRS:
             item.add_marker(pytest.mark.e2e)
+        if folder in WHEEL_DIRS:
+            item.add_marker(pytest.mark.wheel)
         if folder in RAY_DIRS or fixtures & set(RAY_FIXTURES):
             item.add_marker(pytest.mark.ray)
         if folder in SLOW_DIRS or fixtures & set(SLOW_FIXTURES):
