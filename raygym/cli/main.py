@@ -23,6 +23,7 @@ import click
 
 from raygym.cli.after_training import eval_command, report_command, serve_command
 from raygym.cli.help import cli_help
+from raygym.cli.submit import submit as submit_command
 from raygym.config import Recipe, TrainConfig, megatron_installed
 from raygym.config.allocation import GpuAllocation
 from raygym.errors import ConfigError, RaygymError
@@ -192,13 +193,20 @@ def app() -> None:
 def plan(ctx: click.Context) -> None:
     """Resolve the config and show the GPU allocation, without starting Ray.
 
-    Same flags as train, plus --cluster ADDRESS to place it on a live Ray cluster.
+    Same flags as train, plus --cluster ADDRESS to place it on a live Ray cluster, and --split-from RUN_DIR
+    (with --cores N on CPU) for the split of devices that the run's measured steps choose (``auto_split``).
     """
     args = list(ctx.args)
     if _wants_help(args):
-        click.echo(cli_help("raygym plan [--cluster ADDRESS]"))
+        click.echo(cli_help("raygym plan [--cluster ADDRESS] [--split-from RUN_DIR [--cores N]]"))
         return
     args, cluster = _take_option(args, "--cluster")
+    args, split_from = _take_option(args, "--split-from")
+    args, cores = _take_option(args, "--cores")
+    if split_from:
+        for line in split_lines(Path(split_from), cores):
+            click.echo(line)
+        return
     cfg = load_train_config(args)
     _print_plan(cfg, cluster)
     if cluster:
@@ -207,6 +215,30 @@ def plan(ctx: click.Context) -> None:
         from raygym.cluster.placement import plan_on_cluster
 
         Console().print(render_assignments(plan_on_cluster(cfg.recipe, cluster)))
+
+
+def split_lines(run_dir: Path, cores: str | None) -> list[str]:
+    """What ``raygym plan --split-from RUN_DIR`` prints: the split the run's measured steps choose (of ``cores``
+    cores of a node, else of the run's GPUs), why, and the flags that run it."""
+    import json
+
+    from raygym.run.auto_split import apply_split, choose_for_run
+
+    config, metrics = run_dir / "config.json", run_dir / "metrics.jsonl"
+    if not config.is_file() or not metrics.is_file():
+        raise ConfigError(f"--split-from {str(run_dir)!r}: not a run directory (it needs config.json and "
+                          "metrics.jsonl, which raygym train writes); pass the --output-dir of a run")
+    if cores is not None and (not cores.isdigit() or int(cores) < 2):
+        raise ConfigError(f"--cores {cores!r}: the cores of a node, a whole number of at least 2")
+    recipe = TrainConfig.model_validate(json.loads(config.read_text())).recipe
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    cuda = cores is None
+    choice = choose_for_run(recipe, rows, cuda=cuda, node_cores=int(cores or 0))
+    chosen = apply_split(recipe, choice, cuda=cuda)
+    flags = (f"--cpu-engine-cores {chosen.cpu_engine_cores}" if not cuda else
+             f"--actor-num-nodes {chosen.actor_num_nodes} --actor-num-gpus-per-node {chosen.actor_num_gpus_per_node} "
+             f"--rollout-num-gpus {chosen.rollout_num_gpus}")
+    return [choice.reason(), f"flags: {flags}"]
 
 
 @app.command(context_settings=_PASS_THROUGH, add_help_option=False)
@@ -294,6 +326,7 @@ def bench(ctx: click.Context, name: str) -> None:
 app.add_command(serve_command)
 app.add_command(eval_command)
 app.add_command(report_command)
+app.add_command(submit_command)
 
 # ``raygym data prepare`` (raygym/cli/data.py)
 from raygym.cli.data import data as _data_group  # noqa: E402

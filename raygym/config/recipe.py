@@ -67,6 +67,17 @@ class Recipe(RecipeFields):
         """
         return not isinstance(self.schedule, Sync) and not self.colocate
 
+    @property
+    def engine_cores(self) -> int:
+        """CPU cores the engines of a node decode on while the trainer trains (:attr:`engines_overlap_training`):
+        ``cpu_engine_cores``, else one per engine.
+
+        >>> two = Recipe(actor_num_gpus_per_node=2, colocate=False, rollout_num_gpus=2, async_mode=True)
+        >>> two.engine_cores, two.replace(cpu_engine_cores=3).engine_cores
+        (2, 3)
+        """
+        return self.cpu_engine_cores or max(1, self.gpu_allocation().rollout_engines)
+
     def model_parallel_requests(self) -> list[str]:
         """``field=value`` of every model-parallel setting asked for (sizes > 1, ``sequence_parallel``): only
         the Megatron backend runs them (see :func:`raygym.config.recipe_checks.model_parallel_requests`).

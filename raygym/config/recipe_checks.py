@@ -167,6 +167,7 @@ def check_modes(r: RecipeFields) -> None:
             "own GPUs; pass --no-colocate (and --rollout-num-gpus) or --no-async-mode"
         )
     check_fully_async(r)
+    check_split(r)
     if r.update_weight_mode == "delta" and r.colocate:
         raise ConfigError(
             "update_weight_mode='delta' with colocate=True: colocated engines receive weights by handle, a "
@@ -443,3 +444,23 @@ def check_fully_async(r: RecipeFields) -> None:
                           "or --no-fully-async")
     if r.rollout_engine != "auto":
         check_inflight_update(r.rollout_engine, pause_mode=r.update_weight_pause_mode)
+
+
+def check_split(r: RecipeFields) -> None:
+    """``cpu_engine_cores`` at least one; ``auto_split`` only where engines decode while the trainer trains, with
+    probe steps (one of warm-up, at least two measured) that leave steps to run after the re-pick."""
+    if r.cpu_engine_cores is not None and r.cpu_engine_cores < 1:
+        raise ConfigError(f"cpu_engine_cores={r.cpu_engine_cores}: the engines need at least one core; set "
+                          "--cpu-engine-cores to 1 or more, or leave it unset (one core per engine)")
+    if not r.auto_split:
+        return
+    if r.colocate or not (r.async_mode or r.fully_async):
+        raise ConfigError("auto_split=True balances engines that decode while the trainer trains on devices of "
+                          "their own; pass --no-colocate with --async-mode or --fully-async, or --no-auto-split")
+    if r.use_critic:
+        raise ConfigError("auto_split=True with use_critic=True: the critic's devices are not part of the split; "
+                          "set --rollout-num-gpus yourself or pass --no-auto-split")
+    if r.auto_split_probe_steps < 3 or r.auto_split_probe_steps >= r.num_rollout:
+        raise ConfigError(f"auto_split_probe_steps={r.auto_split_probe_steps} with num_rollout={r.num_rollout}: "
+                          "measure at least 3 steps (the first is warm-up) and fewer than the run has; set "
+                          "--auto-split-probe-steps between 3 and num_rollout - 1")

@@ -34,6 +34,20 @@ class RecipeFields(Section):
         "CPU runs whose engines decode while the trainer trains (async_mode, fully_async): 'disjoint' pins trainer "
         "ranks and engines to disjoint cores of their node, as GPUs are disjoint; 'shared' leaves it to the OS.",
     )
+    cpu_engine_cores: int | None = option(
+        None,
+        "CPU runs with cpu_placement='disjoint' whose engines decode while the trainer trains: the cores of a node "
+        "the engines decode on, the trainer ranks sharing the rest; None: one core per engine.",
+    )
+    auto_split: bool = option(
+        False,
+        "Engines that decode while the trainer trains (async_mode or fully_async, colocate=False): measure both "
+        "sides over the first auto_split_probe_steps steps, then re-pick at a checkpoint the split of devices "
+        "(cores of a node on CPU, GPUs on a cluster) that balances their rates, and go on from that checkpoint.",
+    )
+    auto_split_probe_steps: int = option(
+        4, "Steps auto_split measures before it re-picks the split (the first is left out as warm-up)."
+    )
     rollout_num_gpus: int | None = option(
         None, "Total GPUs for rollout engines when disaggregated; None lets the allocation resolver size it."
     )

@@ -41,7 +41,7 @@ from raygym.run.metrics import (
 )
 
 if TYPE_CHECKING:
-    from raygym.config import TrainConfig
+    from raygym.config import Recipe, TrainConfig
     from raygym.run.preflight import RunFacts
 
 logger = logging.getLogger(__name__)
@@ -123,6 +123,16 @@ def _banner(cfg: TrainConfig, facts: RunFacts) -> list[str]:
                         logical_gpus=local and not torch.cuda.is_available())
 
 
+def _split_lines(recipe: Recipe, stop_after: int | None, split_note: str | None) -> list[str]:
+    """The header's word on ``auto_split``: what the probe measures, or what was chosen and why."""
+    if not recipe.auto_split:
+        return []
+    if stop_after is not None:
+        return [f"split: auto; steps up to {stop_after} measure rollout and training with the split above, then "
+                "the run re-picks it at a checkpoint"]
+    return [f"split: {split_note}"] if split_note else []
+
+
 def _resolve_reference(cfg: TrainConfig, run_dir: Path) -> TrainConfig:
     """``ref_load`` (else ``model.ref_checkpoint``) as a local HF model directory, before any Ray resource:
     an unloadable one is a ConfigError, never a silent switch to the policy's weights."""
@@ -174,7 +184,45 @@ def train(cfg: TrainConfig) -> TrainResult:
     ``custom_eval_rollout_log_function(rollout_id, samples, metrics_row)`` after each eval (samples:
     ``{dataset name: list[Sample]}``; ``metrics_row`` the ``eval/*`` dict). Either may return a dict
     of extra metrics, merged into the row.
+
+    With ``auto_split`` the run measures its first ``auto_split_probe_steps`` steps, saves a checkpoint, picks
+    the split of devices that balances rollout and training (:mod:`raygym.run.auto_split`), says what it chose
+    and why (also in ``<run_dir>/split.json``), and goes on from that checkpoint with the chosen split.
     """
+    if cfg.recipe.auto_split:
+        return _train_auto_split(cfg)
+    return _train(cfg)
+
+
+def _train_auto_split(cfg: TrainConfig) -> TrainResult:
+    """The probe leg, the choice, and the rest of the run from the probe's checkpoint."""
+    import torch
+
+    from raygym.run.auto_split import apply_split, choose_for_run
+
+    recipe, console = cfg.recipe, _console()
+    start = recipe.start_rollout_id or 0
+    probe_end = start + recipe.auto_split_probe_steps - 1
+    cuda, cores = torch.cuda.is_available(), len(os.sched_getaffinity(0))
+    probe = _train(cfg, stop_after=probe_end)
+    rows = [r for r in probe.steps if isinstance(r.get("step"), int) and start <= r["step"] <= probe_end]
+    choice = choose_for_run(recipe, rows, cuda=cuda, node_cores=cores)
+    record = {"step": probe_end, "reason": choice.reason(), "changed": choice.changed, "unit": choice.unit,
+              "engine_devices": choice.engine_devices, "trainer_devices": choice.trainer_devices,
+              "measured": {"engine_devices": choice.measured.engine_devices,
+                           "trainer_devices": choice.measured.trainer_devices,
+                           "rollout_s": choice.measured.rollout_s, "train_s": choice.measured.train_s},
+              "predicted_step_s": choice.predicted_step_s, "measured_step_s": choice.measured_step_s,
+              "even_step_s": choice.even_step_s}
+    (Path(cfg.run_dir) / "split.json").write_text(json.dumps(record, indent=2) + "\n")
+    console.print(f"auto_split: {choice.reason()}", markup=False, highlight=False, soft_wrap=True)
+    rest = apply_split(recipe, choice, cuda=cuda).replace(load=cfg.checkpoint_dir, start_rollout_id=None)
+    return _train(cfg.model_copy(update={"recipe": rest}), split_note=choice.reason())
+
+
+def _train(cfg: TrainConfig, *, stop_after: int | None = None, split_note: str | None = None) -> TrainResult:
+    """One leg of a run: steps up to ``num_rollout - 1``, or up to ``stop_after`` (then with a checkpoint of it,
+    and neither the HF export nor the summary)."""
     started = time.monotonic()
     from raygym.run.preflight import preflight
 
@@ -204,7 +252,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         from raygym.config import megatron_installed
 
         recipe.check_trainer_backend(megatron_installed=megatron_installed())
-    for line in _banner(cfg, facts):
+    for line in _banner(cfg, facts) + _split_lines(cfg.recipe, stop_after, split_note):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"hf_checkpoint": model_path})})
     cfg = _resolve_reference(cfg, run_dir)
@@ -227,8 +275,8 @@ def train(cfg: TrainConfig) -> TrainResult:
                            resume_from_step=start if recipe.load else None) as metrics, \
                 StepProgress(console, start, recipe.num_rollout) as progress:
             loop.progress = progress
-            final = loop.run(start, metrics)
-        if loop.checkpoints:
+            final = loop.run(start, metrics, stop_after)
+        if loop.checkpoints and stop_after is None:
             hf_path = loop.trainers(lambda trainer: trainer.export_hf.remote(str(run_dir / "hf")))[0]
         fast_release = False
     except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as exc:
@@ -252,6 +300,10 @@ def train(cfg: TrainConfig) -> TrainResult:
             auth.close()
 
     history = loop.metrics.history if loop and loop.metrics else []
+    if stop_after is not None:
+        return TrainResult(run_dir=str(run_dir), metrics_path=str(run_dir / "metrics.jsonl"), final_step=final,
+                           checkpoint_paths=list(loop.checkpoints) if loop else [], hf_export_path=None,
+                           reward_curve_path=None, steps=list(history), events=list(loop.events) if loop else [])
     task = f"{Path(cfg.dataset.prompt_data).name}, reward {' + '.join(f.name for f in facts.rewards)}"
     curve = plot_reward_curve(history, run_dir / "reward_curve.png", title=f"raygym run {cfg.run_id} | {task}")
     if history:

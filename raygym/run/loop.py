@@ -337,13 +337,14 @@ class Loop:
                 _call_log_hook(spec, "custom_eval_rollout_log_function", step, samples, row)
         return row
 
-    def run(self, start: int, metrics: MetricsLogger) -> int:
-        """Run steps ``start .. num_rollout-1``; returns the last completed step."""
+    def run(self, start: int, metrics: MetricsLogger, stop_after: int | None = None) -> int:
+        """Run steps ``start .. num_rollout-1``; returns the last completed step. ``stop_after``: end after that
+        step instead, with a checkpoint of it (``auto_split`` goes on from there with another split)."""
         import ray
 
         self.metrics = metrics
         recipe = self.recipe
-        last = recipe.num_rollout - 1
+        last = recipe.num_rollout - 1 if stop_after is None else min(stop_after, recipe.num_rollout - 1)
         manager = self.graph.manager
         schedule = schedule_for(recipe, manager, last)
         final = start - 1
@@ -361,7 +362,7 @@ class Loop:
                 row.update(self.train_on(samples, step, timer))
                 schedule.before_sync(pending, timer)
                 saved = None
-                if _should(recipe.save_interval, step, last):
+                if _should(recipe.save_interval, step, last) or step == stop_after:
                     with timer.phase("save"):
                         saved = self.save(step, data_state)
                 row.update(self.sync(step + 1, step, timer))

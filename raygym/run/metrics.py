@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 if TYPE_CHECKING:
     from raygym.config.run import MetricsConfig
@@ -36,11 +36,16 @@ REQUIRED_STEP_KEYS = (
 )
 
 
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        return value.item()
+    return value
+
+
 def _jsonable(value: Any) -> Any:
+    value = _plain(value)
     if isinstance(value, float) and not math.isfinite(value):
         return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
-        return _jsonable(value.item())
     return value
 
 
@@ -173,15 +178,18 @@ class MetricsLogger:
             name=mc.wandb_name or run_id or None,
             id=run_id or None,
             resume="allow",
-            mode=mc.wandb_mode,
+            mode=cast(Literal["online", "offline", "disabled"], mc.wandb_mode),  # MetricsConfig checked it
             config=dict(config_dict or {}),
         )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        row = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        values = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        row = {k: _jsonable(v) for k, v in values.items()}
         self.steps.write(row)
         self.history.append(row)
-        numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        # W&B and TensorBoard get NaN and inf as they are (a diverging loss must show there too), not as
+        # metrics.jsonl spells them (null, "inf"), which is no number and would drop the point.
+        numeric = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
         if self._tb is not None:

@@ -154,9 +154,9 @@ class TrainerSettings:
         recipe, model = cfg.recipe, cfg.model
         shape = {"num_layers": model.num_layers, "hidden_size": model.hidden_size,
                  "num_experts": model.num_experts, "moe_router_topk": model.moe_router_topk}
-        # In async_mode and fully_async (never colocated) every raygym CPU server decodes on its one thread while
-        # the trainer trains (raygym.engines.raygym_server.server --num-threads); a synchronous step leaves the engines idle.
-        engine_threads = recipe.gpu_allocation().rollout_engines if recipe.engines_overlap_training else 0
+        # In async_mode and fully_async (never colocated) raygym's CPU servers decode on Recipe.engine_cores while
+        # the trainer trains (raygym.engines.launch.sglang.raygym_cpu_threads); a synchronous step leaves them idle.
+        engine_threads = recipe.engine_cores if recipe.engines_overlap_training else 0
         hooked = recipe.custom_megatron_before_log_prob_hook or recipe.custom_megatron_before_train_step_hook
         return build_view(
             cls, recipe, hf_checkpoint=model.hf_checkpoint, ref_load=recipe.ref_load or model.ref_checkpoint or "",

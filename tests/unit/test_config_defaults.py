@@ -167,6 +167,9 @@ RAYGYM_DEFAULTS = {
     "max_staleness": 2,
     "stale_sample_policy": "regenerate",
     "cpu_placement": "disjoint",
+    "cpu_engine_cores": None,
+    "auto_split": False,
+    "auto_split_probe_steps": 4,
     # LoRA (raygym/lora.py)
     "lora_rank": 0,
     "lora_alpha": 16,

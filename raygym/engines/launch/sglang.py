@@ -71,23 +71,27 @@ def raygym_cpu_threads(recipe: Recipe, cores: int) -> int:
     """CPU cores one raygym server may decode on (its ``--max-threads``), on a node of ``cores`` cores. When
     rollout and training take turns (the ``Sync`` schedule, or colocated), the trainer is idle while the
     engines decode, so the engines share every core; when they overlap (``OneStepOff``/``FullyAsync``, not
-    colocated) each engine keeps to one thread and the trainer takes the rest
-    (``raygym.trainer.decisions.cpu_training_threads``). The server uses them for a model large enough to
-    gain from them (``raygym.engines.raygym_server.server.cpu_decode_threads``).
+    colocated) the engines share ``Recipe.engine_cores`` (one each unless ``cpu_engine_cores`` says more) and the
+    trainer takes the rest (``raygym.trainer.decisions.cpu_training_threads``). The server uses them for a model
+    large enough to gain from them (``raygym.engines.raygym_server.server.cpu_decode_threads``).
 
     >>> from raygym.presets import tiny
     >>> raygym_cpu_threads(tiny(), 2), raygym_cpu_threads(tiny().model_copy(update={"async_mode": True}), 16)
     (2, 1)
+    >>> raygym_cpu_threads(tiny().replace(async_mode=True, cpu_engine_cores=3), 16)
+    3
     >>> raygym_cpu_threads(Recipe(rollout_num_gpus=2, rollout_num_gpus_per_engine=1), 8)  # colocated: turns
     4
     """
-    engines = recipe.gpu_allocation().rollout_engines
-    return 1 if recipe.engines_overlap_training else max(1, cores // max(1, engines))
+    engines = max(1, recipe.gpu_allocation().rollout_engines)
+    if recipe.engines_overlap_training:
+        return max(1, recipe.engine_cores // engines)
+    return max(1, cores // engines)
 
 
 def raygym_cpu_cores(recipe: Recipe, cores: Sequence[int]) -> tuple[int, ...] | None:
     """The cores raygym's servers on a node of ``cores`` are pinned to (their ``--cpu-cores``): with
-    ``cpu_placement="disjoint"``, when they decode while the trainer trains, the last cores, one per engine, the
+    ``cpu_placement="disjoint"``, when they decode while the trainer trains, the last ``Recipe.engine_cores``, the
     trainer ranks keeping the others (``raygym.trainer.decisions.cpu_training_cores``: the same split). None:
     not pinned.
 
@@ -99,7 +103,7 @@ def raygym_cpu_cores(recipe: Recipe, cores: Sequence[int]) -> tuple[int, ...] | 
     """
     if recipe.cpu_placement != "disjoint" or not recipe.engines_overlap_training:
         return None
-    split = split_cores(cores, max(1, recipe.gpu_allocation().rollout_engines), recipe.actor_num_gpus_per_node)
+    split = split_cores(cores, recipe.engine_cores, recipe.actor_num_gpus_per_node)
     return None if split is None else split.engines
 
 
