@@ -200,9 +200,18 @@ def _train_auto_split(cfg: TrainConfig) -> TrainResult:
 
     from raygym.run.auto_split import apply_split, choose_for_run
 
+    from raygym.checkpoint.store import latest_checkpoint
+
     recipe, console = cfg.recipe, _console()
     start = recipe.start_rollout_id or 0
+    resumed = latest_checkpoint(recipe.load) if recipe.load else None
+    if resumed is not None:  # a resumed run re-picks from its next steps
+        start = resumed.rollout_id + 1
     probe_end = start + recipe.auto_split_probe_steps - 1
+    if probe_end >= recipe.num_rollout - 1:
+        console.print(f"auto_split: steps {start}-{recipe.num_rollout - 1} are left, too few to measure "
+                      f"{recipe.auto_split_probe_steps} and go on; the run keeps its split", markup=False)
+        return _train(cfg)
     cuda, cores = torch.cuda.is_available(), len(os.sched_getaffinity(0))
     probe = _train(cfg, stop_after=probe_end)
     rows = [r for r in probe.steps if isinstance(r.get("step"), int) and start <= r["step"] <= probe_end]
