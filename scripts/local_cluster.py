@@ -16,7 +16,7 @@ harness whose process died are removed by :func:`remove_stale`.
 Needs root and iproute2 (:func:`unavailable` says why not).
 
     with LocalCluster(worker_gpus=(1, 1, 1)) as cluster:
-        submit_train_job(cluster.dashboard_url, [...])   # launchers.ray_job
+        submit_train_job(cluster.dashboard_url, [...])   # raygym.launchers.ray_job
         cluster.kill_node("w2"); cluster.start_node("w2")
 
 CLI (runs until Ctrl-C, then tears everything down)::
@@ -438,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             name, gbit = item.split("=", 1)
             cluster.shape(name, float(gbit))
         print(json.dumps(cluster.describe(), indent=2))
-        print(f"submit: python -m launchers.ray_job --address {cluster.dashboard_url} --preset tiny ...; Ctrl-C ends it")
+        print(f"submit: raygym submit --address {cluster.dashboard_url} --preset tiny ...; Ctrl-C ends it")
         try:
             signal.pause()
         except KeyboardInterrupt:

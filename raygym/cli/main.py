@@ -12,7 +12,6 @@ prints the ConfigError on stderr and exits with code 2.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import warnings
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from raygym.cli.after_training import eval_command, report_command, serve_command
+from raygym.cli.bench import bench_command
 from raygym.cli.help import cli_help
 from raygym.cli.submit import submit as submit_command
 from raygym.config import Recipe, TrainConfig, megatron_installed
@@ -308,21 +308,7 @@ def export(checkpoint_dir: str, out_dir: str, merged: bool, base: str | None) ->
     click.echo(f"exported step {rollout_id} to {out}")
 
 
-@app.command(context_settings=_PASS_THROUGH)
-@click.argument("name")
-@click.pass_context
-def bench(ctx: click.Context, name: str) -> None:
-    """Run benchmarks/NAME.py (JSON lines on stdout)."""
-    candidates = [
-        Path.cwd() / "benchmarks" / f"{name}.py",
-        Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py",
-    ]
-    script = next((p for p in candidates if p.is_file()), None)
-    if script is None:
-        raise ConfigError(f"bench {name!r}: no benchmarks/{name}.py here or next to the package")
-    ctx.exit(subprocess.call([sys.executable, str(script), *ctx.args]))
-
-
+app.add_command(bench_command)  # raygym/cli/bench.py
 app.add_command(serve_command)
 app.add_command(eval_command)
 app.add_command(report_command)
@@ -368,7 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        app.main(args=list(sys.argv[1:] if argv is None else argv), prog_name="raygym", standalone_mode=False)
+        # a command's ctx.exit(code) comes back as the return value here (standalone_mode=False)
+        code = app.main(args=list(sys.argv[1:] if argv is None else argv), prog_name="raygym", standalone_mode=False)
     except ConfigError as exc:
         click.echo(f"raygym: error: {exc}", err=True)
         return USAGE_ERROR
@@ -383,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 1
-    return 0
+    return code if isinstance(code, int) else 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ one thing only, where the Ray head sits:
 - KubeRay (``docs/kuberay-rayjob*.yaml``) and the local multi-node harness (``scripts/local_cluster.py``):
   a CPU-only head (``num-gpus: 0``) plus one worker per GPU node; the job's driver and the rollout manager
   run on the head, so losing a GPU node never takes them along;
-- Modal (``launchers/modal_app.py``): ``total_nodes`` clustered GPU containers, container 0 being the head,
+- Modal (``raygym/launchers/modal_app.py``): ``total_nodes`` clustered GPU containers, container 0 being the head,
   so the driver shares a node with trainer or engine ranks.
 
 Either way :func:`raygym.cluster.layout.layout` decides which GPU serves which rank from the nodes' addresses, so

@@ -11,7 +11,7 @@ a fixed ``num_replicas`` or an autoscaling range (``min_replicas`` .. ``max_repl
 ``target_ongoing_requests``); placement: each replica's CPUs and GPUs are reserved together in one
 placement-group bundle (``STRICT_PACK``: an engine's GPUs are on the replica's node), and
 ``max_replicas_per_node`` spreads replicas over nodes. The same command deploys on a laptop (a private
-local Ray), any Ray cluster (``RAY_ADDRESS``) and Modal (``launchers/modal_app.py``).
+local Ray), any Ray cluster (``RAY_ADDRESS``) and Modal (``raygym/launchers/modal_app.py``).
 
 The API key comes from ``$RAYGYM_SERVE_API_KEY`` or a key file, never from a command line; only its
 SHA-256 digest is sent to the replicas, and neither is ever logged.
@@ -49,7 +49,7 @@ from raygym.serve.settings import (
 # Ray Serve's own throughput settings (those its RAY_SERVE_THROUGHPUT_OPTIMIZED turns on, but the proxy's
 # single URL), for a Ray this command starts (on an existing cluster, the cluster's own stand): the proxy
 # reaches replicas over gRPC instead of Ray actor calls, and a replica handles requests on its main event loop.
-# Measured by benchmarks/serve.py (CPU per request of the proxy and the replica: 9.8 ms -> 6.8 ms here).
+# Measured by raygym/bench/serve.py (CPU per request of the proxy and the replica: 9.8 ms -> 6.8 ms here).
 SERVE_THROUGHPUT_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                         "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 APP_NAME = "raygym-openai"

@@ -38,16 +38,18 @@ def head_env(**overrides: str) -> tuple[str, dict[str, str]]:
 
 @contextmanager
 def ray_head_process(
-    port_args: list[str], env: dict[str, str], ready: Callable[[], bool], timeout_s: float = 90.0
+    port_args: list[str], env: dict[str, str], ready: Callable[[], bool], timeout_s: float = 90.0,
+    *, python: str = sys.executable, cwd: str | None = None,
 ) -> Iterator[None]:
     """Run a head (4 CPUs, 2 logical GPUs) with ``port_args`` (every port flag, so no default port is
-    taken) until the block exits; ``ready()`` is polled until it is true."""
+    taken) until the block exits; ``ready()`` is polled until it is true. ``python``: the interpreter whose Ray
+    runs it (an installed raygym's, for tests/wheel); ``cwd``: the head's working directory."""
     tmp = env["RAY_TMPDIR"]
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+    cmd = [python, "-m", "ray.scripts.scripts", "start", "--head", "--block",
            "--node-ip-address", "127.0.0.1", *port_args, "--num-cpus", "4", "--num-gpus", "2",
            "--object-store-memory", str(256 * 1024 * 1024), "--disable-usage-stats"]  # fmt: skip
     log = open(Path(tmp) / "ray-start.log", "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout_s
         while not ready():

@@ -1,4 +1,4 @@
-"""`launchers.ray_job` against a real local Ray head with its dashboard.
+"""`raygym.launchers.ray_job` against a real local Ray head with its dashboard.
 
 The head is started by this module (`ray start --head --block` in its own process group, on free
 ports, in its own RAY_TMPDIR) and ended by that process group's id — nothing else is touched.
@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 from ray_head_process import free_ports, head_env, ray_head_process
 
-from launchers.ray_job import REPO_ROOT, main, submit_eval_job, submit_train_job
+from raygym.launchers.ray_job import REPO_ROOT, main, submit_eval_job, submit_train_job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 

@@ -14,9 +14,9 @@ modal = pytest.importorskip(
     "modal", reason="modal is not installed (pip install modal); it is not a dev dependency"
 )
 
-from launchers.modal_app import CHECKPOINTS_DIR, DATA_DIR, HF_CACHE_DIR, build_app, main, run_cluster  # noqa: E402
-from launchers.modal_config import ModalConfig  # noqa: E402
 from raygym.errors import ConfigError  # noqa: E402
+from raygym.launchers.modal_app import CHECKPOINTS_DIR, DATA_DIR, HF_CACHE_DIR, build_app, main, run_cluster  # noqa: E402
+from raygym.launchers.modal_config import ModalConfig  # noqa: E402
 from raygym.presets import qwen3_4b  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,7 +82,7 @@ def test_real_run_on_modal():
     modal_cli = shutil.which("modal")
     assert modal_cli, "modal CLI not on PATH"
     proc = subprocess.run(
-        [modal_cli, "run", "launchers/modal_app.py", "--preset", "qwen3-0.6b", "--num-rollout", "2"],
+        [modal_cli, "run", "-m", "raygym.launchers.modal_app", "--preset", "qwen3-0.6b", "--num-rollout", "2"],
         cwd=REPO, capture_output=True, text=True, timeout=3500,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -8,10 +8,10 @@ import pytest
 
 pytest.importorskip("modal", reason="modal is not installed (pip install modal); it is not a dev dependency")
 
-from launchers import bootstrap  # noqa: E402
-from launchers.modal_app import build_app, plan_launch  # noqa: E402
-from launchers.ray_job import resolve_recipe  # noqa: E402
 from raygym.cluster.shape import ClusterShape, cluster_shape, roles_by_node  # noqa: E402
+from raygym.launchers import bootstrap  # noqa: E402
+from raygym.launchers.modal_app import build_app, plan_launch  # noqa: E402
+from raygym.launchers.ray_job import resolve_recipe  # noqa: E402
 
 ARGS = ["--preset", "qwen3-30b-a3b"]
 CONTAINERS = ("fd00::2", "fd00::3")  # Modal's addresses are IPv6

@@ -8,9 +8,9 @@ import pytest
 
 modal = pytest.importorskip("modal", reason="modal is not installed (pip install modal); it is not a dev dependency")
 
-from launchers.modal_app import SERVE_ARGS_ENV, SERVE_PORT, build_serve_app, plan_serve, serve_web  # noqa: E402
-from launchers.modal_config import ModalConfig  # noqa: E402
 from raygym.errors import ConfigError  # noqa: E402
+from raygym.launchers.modal_app import SERVE_ARGS_ENV, SERVE_PORT, build_serve_app, plan_serve, serve_web  # noqa: E402
+from raygym.launchers.modal_config import ModalConfig  # noqa: E402
 
 
 def test_serving_function_spec():

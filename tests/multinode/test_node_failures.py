@@ -2,7 +2,7 @@
 
 The cluster (``conftest.py``): a CPU head and workers w1, w2, w3 of one logical GPU each, every node in its
 own network namespace with its own address; runs are submitted from this process to the head's dashboard
-(``launchers.ray_job``), as from a laptop. The tiny recipe with two engines needs three GPU nodes: placement
+(``raygym.launchers.ray_job``), as from a laptop. The tiny recipe with two engines needs three GPU nodes: placement
 sorts them by address, so the trainer lands on w1 and the engines on w2 and w3; weights cross the namespace
 boundary over gloo. A node dies as a machine does: every process in its namespace is SIGKILLed.
 
@@ -28,8 +28,8 @@ from typing import Any
 
 import pytest
 
-from launchers.ray_job import REPO_ROOT, JobOutcome, resolve_recipe, submit_train_job
 from raygym.cluster.shape import cluster_shape, roles_by_node
+from raygym.launchers.ray_job import REPO_ROOT, JobOutcome, resolve_recipe, submit_train_job
 from scripts.local_cluster import LocalCluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -211,7 +211,7 @@ def test_trainer_node_dies_and_the_resubmitted_run_resumes(nodes_up: LocalCluste
     outcome: list[JobOutcome] = []
     launcher = threading.Thread(target=lambda: outcome.append(submit_train_job(
         cluster.dashboard_url, args, environ=cluster.env, working_dir=str(REPO_ROOT), resubmits=1,
-        out=said.append)), daemon=True)  # what `python -m launchers.ray_job --resubmit 1 ...` does
+        out=said.append)), daemon=True)  # what `python -m raygym.launchers.ray_job --resubmit 1 ...` does
     launcher.start()
 
     def wait_for(ready: Callable[[], bool], what: str) -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launchers.ray_job import resolve_config
 from raygym.cluster.shape import ClusterShape, cluster_shape, roles_by_node
 from raygym.config import TrainConfig
+from raygym.launchers.ray_job import resolve_config
 from raygym.presets import PRESETS, qwen3_30b_a3b, tiny
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

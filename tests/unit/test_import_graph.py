@@ -129,6 +129,16 @@ def reachable(graph: dict[str, set[str]], starts: Iterable[str]) -> set[str]:
     return seen
 
 
+def imports_anywhere(path: Path, package: str) -> bool:
+    """Whether the file imports ``package`` (or a module of it) anywhere: module level, functions, TYPE_CHECKING."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == package for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == package:
+            return True
+    return False
+
+
 def loads_at_import(path: Path, packages: tuple[str, ...]) -> bool:
     """Whether importing the file imports one of ``packages`` (module level or a class body; not inside a
     function, not under ``if TYPE_CHECKING:``)."""
@@ -233,3 +243,25 @@ def test_a_part_never_reaches_the_parts_above_it(package, never):
     above = reached_packages(package) & never
     culprits = sorted(m for m in inside(package) if {package_of(n) for n in reachable(GRAPH, [m])} & above)
     assert above == set(), f"{package} reaches {sorted(above)} from " + ", ".join(culprits[:10])
+
+
+MODAL_LAUNCHER = {m for m in FILES if m.startswith("raygym.launchers.modal_")}  # raygym/launchers/modal_*.py
+
+
+def test_only_the_modal_launcher_imports_modal():
+    importers = sorted(m for m, path in FILES.items() if imports_anywhere(path, "modal"))
+    assert "raygym.launchers.modal_app" in importers  # the reader sees the launcher's own import
+    assert set(importers) <= MODAL_LAUNCHER, f"only raygym/launchers/modal_*.py may import modal: {importers}"
+
+
+def test_nothing_outside_the_modal_launcher_imports_it():
+    reaching = sorted(m for m in GRAPH if m not in MODAL_LAUNCHER and reachable(GRAPH, [m]) & MODAL_LAUNCHER)
+    assert reaching == [], "these reach raygym/launchers/modal_*.py (and so modal): " + ", ".join(reaching)
+
+
+def test_the_launchers_sit_above_the_library():
+    """Launchers submit runs; only the CLI (raygym submit) and the benchmarks use them, never the library's parts."""
+    users = sorted({package_of(m) for m, imports in GRAPH.items()
+                    if any(package_of(n) == "raygym.launchers" for n in imports)} - {"raygym.launchers"})
+    assert "raygym.cli" in users
+    assert set(users) <= {"raygym.cli", "raygym.bench"}, users

@@ -5,7 +5,9 @@ Two tiers, chosen per module below:
   config validation must work on a machine without torch or Ray, and stay instant.
 - NO_RAY: pure tensor maths (losses, advantages, the weight codec). torch is their subject, but Ray
   belongs at the edges (actors, drivers), never in a module that only computes.
-Every probe also forbids the optional engines and launchers (transformers only in the first tier).
+Every probe also forbids the optional engines and ``modal`` (transformers only in the first tier): only the Modal
+launcher (raygym/launchers/modal_app.py, never probed) imports ``modal``; tests/unit/test_import_graph.py checks
+that nothing else imports it.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import raygym
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE_DIR = Path(raygym.__file__).parent
 
-NO_TORCH_NO_RAY = ("torch", "ray", "transformers", "sglang", "vllm", "modal", "launchers")
-NO_RAY = ("ray", "sglang", "vllm", "modal", "launchers")
+NO_TORCH_NO_RAY = ("torch", "ray", "transformers", "sglang", "vllm", "modal")
+NO_RAY = ("ray", "sglang", "vllm", "modal")
 
 
 def submodules(package: str) -> list[str]:
@@ -60,6 +62,12 @@ PROBES: dict[str, tuple[str, tuple[str, ...]]] = {
             "raygym.cluster.actor_group",
             "raygym.presets",
             "raygym.cli.main",
+            "raygym.cli.submit",
+            "raygym.launchers",
+            "raygym.launchers.bootstrap",
+            "raygym.launchers.modal_config",
+            "raygym.launchers.ray_job",
+            "raygym.launchers.source",
             "raygym.engine_api.protocol",
             "raygym.engine_api.kinds",
         ]
@@ -72,6 +80,7 @@ PROBES: dict[str, tuple[str, tuple[str, ...]]] = {
         "from raygym.cli.main import main\nassert main(['plan', '--preset', 'qwen3-30b-a3b']) == 0",
         NO_TORCH_NO_RAY,
     ),
+    "raygym submit --help": ("from raygym.cli.main import main\nassert main(['submit', '--help']) == 0", NO_TORCH_NO_RAY),
 }
 
 

@@ -1,10 +1,11 @@
-"""launchers.bootstrap with a fake cluster description: commands, addresses, retries, waiting, watchdog."""
+"""raygym.launchers.bootstrap with a fake cluster description: commands, addresses, retries, waiting, watchdog."""
 
 from __future__ import annotations
 
 import pytest
 
-from launchers.bootstrap import (
+from raygym.errors import RaygymError
+from raygym.launchers.bootstrap import (
     ClusterSpec,
     HeadWatch,
     NodeWatchdog,
@@ -21,7 +22,6 @@ from launchers.bootstrap import (
     wait_for_nodes,
     worker_command,
 )
-from raygym.errors import RaygymError
 
 V6 = ("fd00:0:0:0::a", "fd00::b", "fd00::c")
 V4 = ("10.0.0.1", "10.0.0.2")

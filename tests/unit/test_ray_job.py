@@ -1,4 +1,4 @@
-"""Pure parts of launchers.ray_job: the job's command line, runtime_env, secrets and auth token."""
+"""Pure parts of raygym.launchers.ray_job: the job's command line, runtime_env, secrets and auth token."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import shlex
 
 import pytest
 
-from launchers.ray_job import (
+from raygym.config import Recipe
+from raygym.errors import ConfigError
+from raygym.launchers.ray_job import (
     REDACTED,
     REPO_ROOT,
     auth_headers,
@@ -21,8 +23,6 @@ from launchers.ray_job import (
     redact,
     resolve_recipe,
 )
-from raygym.config import Recipe
-from raygym.errors import ConfigError
 
 SECRETS = {"WANDB_API_KEY": "wandb-abc-123456", "HF_TOKEN": "hf_zyx987654"}
 

@@ -1,4 +1,4 @@
-"""launchers.ray_job's eval jobs (pure parts): the entrypoint, secrets kept off the command line, the CLI split."""
+"""raygym.launchers.ray_job's eval jobs (pure parts): the entrypoint, secrets kept off the command line, the CLI split."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import shlex
 
 import pytest
 
-from launchers import ray_job
-from launchers.ray_job import build_eval_entrypoint, build_eval_job_spec
 from raygym.errors import ConfigError
+from raygym.launchers import ray_job
+from raygym.launchers.ray_job import build_eval_entrypoint, build_eval_job_spec
 
 
 def test_eval_entrypoint_and_runtime_env():

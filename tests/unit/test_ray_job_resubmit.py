@@ -1,4 +1,4 @@
-"""``launchers.ray_job`` resubmits a failed training job so it resumes from its own checkpoints (the submission
+"""``raygym.launchers.ray_job`` resubmits a failed training job so it resumes from its own checkpoints (the submission
 itself is replaced by a recorder: what is sent is checked, not the cluster; tests/multinode runs it for real)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-import launchers.ray_job as ray_job
+import raygym.launchers.ray_job as ray_job
 from raygym.errors import ConfigError
 
 RUN = ["--preset", "tiny", "--num-rollout", "4", "--output-dir", "/shared/runs/r1"]

@@ -1,28 +1,35 @@
-"""Run raygym on Modal GPU nodes: ``modal run launchers/modal_app.py --preset qwen3-4b [flags]``.
+"""Run raygym on Modal GPU nodes: ``modal run -m raygym.launchers.modal_app --preset qwen3-4b [flags]``.
 
-Flags starting with ``--modal-`` set :class:`~launchers.modal_config.ModalConfig` fields
+From a checkout, ``modal run raygym/launchers/modal_app.py ...`` works too. Flags starting with ``--modal-`` set
+:class:`~raygym.launchers.modal_config.ModalConfig` fields
 (``--modal-gpu-type H200``, ``--modal-region us-east``); every other flag is a train flag for
 ``python -m raygym.train``. The app requests ``recipe.total_nodes()`` clustered containers of
 ``gpu_type:actor_num_gpus_per_node`` (RDMA when multi-node). Rank 0 starts the Ray head and waits for
 every node, the other ranks join with retries and leave when the head is gone; then rank 0 submits
-the same job ``launchers.ray_job`` submits anywhere else, streams its logs, commits the checkpoint
+the same job :mod:`raygym.launchers.ray_job` submits anywhere else, streams its logs, commits the checkpoint
 volume whenever new files appear, and stops the job when a node stays dead for ``node_dead_after_s``.
 
 From Python (e.g. a script of your own that Modal runs)::
 
-    from launchers.modal_app import build_app
-    app, train_fn = build_app(["--preset", "qwen3-4b"], ModalConfig(gpu_type="H200"))
+    from raygym.launchers.modal_app import build_app
+    run = build_app(["--preset", "qwen3-4b"], ModalConfig(gpu_type="H200"))  # run.app, run.train_fn, run.launch
 
 Serving a checkpoint (``raygym serve`` in a GPU container, exposed as a Modal web endpoint; the API key
 comes from the Modal secret ``serve_secret``, default ``raygym-serve-secret`` holding
 ``RAYGYM_SERVE_API_KEY``)::
 
     modal secret create raygym-serve-secret RAYGYM_SERVE_API_KEY=...
-    RAYGYM_MODAL_SERVE='/checkpoints/my-run --max-replicas 2 --modal-gpu-type L4' modal deploy launchers/modal_app.py
+    RAYGYM_MODAL_SERVE='/checkpoints/my-run --max-replicas 2 --modal-gpu-type L4' \\
+        modal deploy -m raygym.launchers.modal_app
 
 or from Python: ``build_serve_app(["/checkpoints/my-run", "--replicas", "1"])``.
 
-Every decision about the cluster lives in :mod:`launchers.bootstrap`; this file only wires Modal to it.
+Where the containers' raygym comes from: from a checkout, the image installs a copy of it; from an installed
+raygym, the image installs its requirements (from the package's metadata) and the installed package's source is
+added when a container starts (:mod:`raygym.launchers.source`). ``local_raygym`` / ``git_repository`` replace it.
+
+Every decision about the cluster lives in :mod:`raygym.launchers.bootstrap`; this file only wires Modal to it.
+This is the one module of raygym that imports ``modal`` (``pip install 'raygym[modal]'``).
 """
 
 from __future__ import annotations
@@ -36,20 +43,23 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
-# `modal run launchers/modal_app.py` imports this file by path; make `launchers` and `raygym` importable.
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:
-    sys.path.insert(0, str(_REPO))
+# `modal run raygym/launchers/modal_app.py` imports this file by its path, as the top-level module `modal_app`;
+# Modal then ships this file alone, and the containers import the rest of raygym from the image.
+_RUN_AS_FILE = not __package__
+if _RUN_AS_FILE:  # run from a checkout: make its raygym importable from any directory
+    _CHECKOUT = Path(__file__).resolve().parent.parent.parent
+    if (_CHECKOUT / "raygym" / "__init__.py").is_file() and str(_CHECKOUT) not in sys.path:
+        sys.path.insert(0, str(_CHECKOUT))
 
 import modal  # noqa: E402
 
-from launchers import bootstrap  # noqa: E402
-from launchers.modal_config import ModalConfig, launch_args_from_argv  # noqa: E402
-from launchers.ray_job import resolve_recipe, submit_train_job  # noqa: E402
-from raygym.errors import RaygymError  # noqa: E402
+from raygym.errors import ConfigError, RaygymError  # noqa: E402
+from raygym.launchers import bootstrap, source  # noqa: E402
+from raygym.launchers.modal_config import ModalConfig, launch_args_from_argv  # noqa: E402
+from raygym.launchers.ray_job import resolve_recipe, submit_train_job  # noqa: E402
 
 __all__ = ["Launch", "ModalRun", "ModalServe", "ServeLaunch", "build_app", "build_image", "build_serve_app",
            "build_volumes", "plan_launch", "plan_serve", "run_cluster", "serve_web"]
@@ -66,6 +76,7 @@ SERVE_PORT = 8000
 # Set by the launcher (the port Modal routes to; the key from the Modal secret).
 _SERVE_FLAGS_OWNED = ("--host", "--port", "--api-key", "--api-key-file", "--detach")
 DEFAULT_ARGS = ["--preset", "qwen3-4b"]
+IMAGE_EXTRAS = ("sglang", "megatron")  # raygym extras the image installs: the engine and the Megatron trainer
 _REPO_IGNORE = ["**/.git", "**/runs", "**/__pycache__", "**/*.egg-info", "**/.venv", "**/.pytest_cache"]
 
 
@@ -94,14 +105,23 @@ def plan_launch(args: list[str], modal_config: ModalConfig | None = None) -> Lau
 
 
 def build_image(cfg: ModalConfig) -> modal.Image:
-    """CUDA image with raygym[sglang,megatron] installed from this checkout, then the overlays."""
+    """CUDA image with raygym[sglang,megatron]: installed from this checkout, or (an installed raygym) its
+    requirements, with the installed package's source added at container start; then the overlays."""
+    root = source.CHECKOUT_ROOT
     image = (
         modal.Image.from_registry(cfg.cuda_image, add_python=cfg.python_version)
         .apt_install("git")
         .env({"HF_HOME": HF_CACHE_DIR, "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"})
-        .add_local_dir(_REPO, REMOTE_REPO, copy=True, ignore=_REPO_IGNORE)
-        .run_commands(f"pip install '{REMOTE_REPO}[sglang,megatron]'")
     )
+    if root is not None:
+        image = image.add_local_dir(root, REMOTE_REPO, copy=True, ignore=_REPO_IGNORE).run_commands(
+            f"pip install '{REMOTE_REPO}[{','.join(IMAGE_EXTRAS)}]'"
+        )
+    elif _RUN_AS_FILE:
+        raise ConfigError(f"{__file__}: an installed raygym's Modal launcher runs as a module: "
+                          "modal run -m raygym.launchers.modal_app [flags]")
+    else:
+        image = image.pip_install(*source.base_requirements(), *source.extra_requirements(IMAGE_EXTRAS))
     if cfg.git_repository:
         image = image.run_commands(
             f"pip install --no-deps --force-reinstall 'git+{cfg.git_repository}@{cfg.git_revision}'"
@@ -115,13 +135,13 @@ def build_image(cfg: ModalConfig) -> modal.Image:
     if cfg.image_env or cfg.local_raygym:
         overlay_path = {"PYTHONPATH": REMOTE_OVERLAY} if cfg.local_raygym else {}
         image = image.env({**cfg.image_env, **overlay_path})
-    # Mounted at container start (no rebuild when they change); must come after every build step.
-    image = image.add_local_python_source("launchers")
+    # Mounted at container start (no rebuild when they change); must come after every build step. The functions
+    # ship no package source of their own (include_source): the containers' raygym is the image's, or this one.
+    if root is None and not (cfg.git_repository or cfg.local_raygym):  # an installed raygym: its own source
+        image = image.add_local_python_source("raygym")
     if cfg.local_raygym:
         package = Path(cfg.local_raygym).expanduser() / "raygym"
         if not (package / "__init__.py").is_file():
-            from raygym.errors import ConfigError
-
             raise ConfigError(
                 f"local_raygym={cfg.local_raygym!r}: no raygym/ package there; point it at a checkout"
             )
@@ -129,7 +149,7 @@ def build_image(cfg: ModalConfig) -> modal.Image:
     return cfg.image_overlay(image) if cfg.image_overlay else image
 
 
-def build_volumes(cfg: ModalConfig) -> dict[str, modal.Volume]:
+def build_volumes(cfg: ModalConfig) -> dict[str | PurePosixPath, modal.Volume | modal.CloudBucketMount]:
     """HF cache, data and checkpoints volumes (created on first use)."""
     return {
         HF_CACHE_DIR: modal.Volume.from_name(cfg.hf_cache_volume, create_if_missing=True),
@@ -158,6 +178,7 @@ def build_app(args: list[str], modal_config: ModalConfig | None = None) -> Modal
         volumes=build_volumes(cfg),
         secrets=[modal.Secret.from_name(name) for name in cfg.secrets],
         env={APP_NAME_ENV: launch.app_name},
+        include_source=_RUN_AS_FILE,
         **cfg.function_kwargs(launch.gpus_per_node),
     )(clustered(**cfg.cluster_kwargs(launch.total_nodes))(run_cluster))
     return ModalRun(app, train_fn, launch)
@@ -190,8 +211,6 @@ def plan_serve(args: list[str], modal_config: ModalConfig | None = None) -> Serv
 
     One container is one Ray node running every replica of the deployment, so it gets
     ``gpus_per_replica x max(replicas, max_replicas)`` GPUs (at least one)."""
-    from raygym.errors import ConfigError
-
     from_flags, serve_args = ModalConfig.split_cli_args(list(args))
     if modal_config is None:
         modal_config = from_flags
@@ -234,11 +253,12 @@ def build_serve_app(args: list[str], modal_config: ModalConfig | None = None) ->
     concurrent = getattr(modal, "concurrent", None)
     if concurrent is not None:  # one container answers many requests at once (Ray Serve queues them)
         web = concurrent(max_inputs=1000)(web)
-    serve_fn = app.function(
+    serve_fn: modal.Function[..., Any, Any] = app.function(
         image=build_image(cfg),
         volumes=build_volumes(cfg),
         secrets=[modal.Secret.from_name(name) for name in secret_names],
         env={APP_NAME_ENV: launch.app_name, SERVE_ARGS_ENV: json.dumps(launch.serve_args)},
+        include_source=_RUN_AS_FILE,
         **cfg.function_kwargs(launch.gpus),
     )(web)
     return ModalServe(app, serve_fn, launch)
@@ -363,7 +383,7 @@ def _args_for_this_process() -> list[str]:
 
 RUN: ModalRun | None = None
 SERVE: ModalServe | None = None
-if modal.is_local() and os.environ.get(SERVE_ENV):  # `modal deploy|serve launchers/modal_app.py`
+if modal.is_local() and os.environ.get(SERVE_ENV):  # `modal deploy|serve -m raygym.launchers.modal_app`
     SERVE = build_serve_app(shlex.split(os.environ[SERVE_ENV]))
     app = SERVE.app
 elif modal.is_local():
@@ -375,7 +395,7 @@ else:  # inside a container Modal only needs run_cluster / serve_web; the app ca
 
 @app.local_entrypoint()
 def main(*arglist: str) -> None:
-    """``modal run launchers/modal_app.py [--modal-* flags] [train flags]``."""
+    """``modal run -m raygym.launchers.modal_app [--modal-* flags] [train flags]``."""
     if SERVE is not None:
         raise RaygymError(f"{SERVE_ENV} is set: this app serves; use `modal deploy` or `modal serve`, not `modal run`")
     assert RUN is not None, "main() runs on the local side only"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from pathlib import PurePath
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -37,13 +38,14 @@ _RESERVED_FUNCTION_KWARGS = {
     "region": "region",
     "volumes": "the *_volume fields",
     "secrets": "secrets",
+    "include_source": "local_raygym / git_repository (the launcher ships raygym's source)",
 }
 # Fields that CLI flags cannot express (Python objects).
 _PYTHON_ONLY = {"image_overlay"}
 
 
 class ModalConfig(BaseModel):
-    """Modal-only settings for ``launchers/modal_app.py``. Invalid values raise ``ConfigError``."""
+    """Modal-only settings for :mod:`raygym.launchers.modal_app`. Invalid values raise ``ConfigError``."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, validate_assignment=True)
 
@@ -222,14 +224,22 @@ class ModalConfig(BaseModel):
         return cls(**fields), rest
 
 
-def launch_args_from_argv(argv: list[str], script: str = "modal_app.py") -> list[str] | None:
-    """The flags after ``script`` in ``modal run [opts] launchers/modal_app.py [flags]``; None if absent.
+def launch_args_from_argv(
+    argv: list[str], script: str = "modal_app.py", module: str = "raygym.launchers.modal_app"
+) -> list[str] | None:
+    """The flags after the app in ``modal run [opts] -m raygym.launchers.modal_app [flags]`` (or after the file
+    ``.../modal_app.py``, a ``::function`` suffix allowed); None if absent.
 
-    >>> launch_args_from_argv(["modal", "run", "launchers/modal_app.py", "--preset", "tiny"])
+    >>> launch_args_from_argv(["modal", "run", "-m", "raygym.launchers.modal_app", "--preset", "tiny"])
     ['--preset', 'tiny']
+    >>> launch_args_from_argv(["modal", "run", "raygym/launchers/modal_app.py::main", "--num-rollout", "3"])
+    ['--num-rollout', '3']
+    >>> launch_args_from_argv(["pytest", "tests/launcher_modal/test_modal_app.py", "-x"]) is None
+    True
     """
     for i, arg in enumerate(argv):
-        if arg.split("::")[0].endswith(script):
+        ref = arg.split("::")[0]
+        if ref == module or PurePath(ref).name == script:
             return list(argv[i + 1 :])
     return None
 

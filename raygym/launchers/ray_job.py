@@ -5,17 +5,20 @@ env vars from the recipe's ``environment`` / ``train_env_vars``; secrets (``WAND
 copied from *your* environment into the job's runtime_env — never onto the command line — and redacted in
 everything printed; the Ray auth token sent as an HTTP header when the cluster uses token auth.
 
-CLI (flags it does not know are train flags, forwarded verbatim)::
+CLI (``raygym submit`` runs the same :func:`main`; flags it does not know are train flags, forwarded verbatim)::
 
-    python -m launchers.ray_job --address http://127.0.0.1:8265 --preset tiny --num-rollout 2
-    python -m launchers.ray_job --address http://127.0.0.1:8265 eval /shared/runs/r1 --prompt-data s3://b/test.jsonl
+    raygym submit --address http://127.0.0.1:8265 --preset tiny --num-rollout 2
+    python -m raygym.launchers.ray_job --address http://127.0.0.1:8265 eval /runs/r1 --prompt-data s3://b/t.jsonl
 
 The second form runs ``raygym eval CHECKPOINT [eval flags]`` as the job (the checkpoint and the data must
 be reachable from the cluster: shared storage or an fsspec URL).
 
+The job's working_dir (uploaded with it) is the checkout when raygym runs from one, else the current directory
+(see :mod:`raygym.launchers.source`); ``--installed`` uploads nothing and runs the raygym installed on the cluster.
+
 Python::
 
-    from launchers.ray_job import submit_train_job
+    from raygym.launchers.ray_job import submit_train_job
     job = submit_train_job("http://head:8265", ["--preset", "qwen3-4b"], pip_extras=["wandb"])
     job.status   # 'SUCCEEDED' | 'FAILED' | 'STOPPED' | ...
     submit_eval_job("http://head:8265", "/shared/runs/r1", ["--n-samples-per-eval-prompt", "8"])
@@ -37,11 +40,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raygym.errors import ConfigError
+from raygym.launchers import source
 
 if TYPE_CHECKING:
     from raygym.config import Recipe
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = source.CHECKOUT_ROOT  # None when raygym is installed rather than checked out
+# A job's working_dir by default: the checkout, else the caller's current directory ("." is resolved by Ray when
+# it uploads the directory, so it is the directory of the call, not of the import).
+DEFAULT_WORKING_DIR = str(REPO_ROOT) if REPO_ROOT is not None else "."
 TRAIN_MODULE = "raygym.train"
 EVAL_COMMAND = ("-m", "raygym", "eval")  # python -m raygym eval CHECKPOINT [flags]
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
@@ -173,22 +180,10 @@ def auth_headers(token: str | None) -> dict[str, str]:
 # ---------------------------------------------------------------- runtime_env and entrypoint
 
 
-def pip_for_extras(extras: Iterable[str], pyproject: Path = REPO_ROOT / "pyproject.toml") -> list[str]:
-    """The requirements of raygym's optional extras (``wandb`` → ``["wandb>=0.19"]``), from pyproject.toml."""
-    extras = list(extras)
-    if not extras:
-        return []
-    import tomllib
-
-    optional = tomllib.loads(pyproject.read_text())["project"].get("optional-dependencies", {})
-    reqs: list[str] = []
-    for extra in extras:
-        if extra not in optional:
-            raise ConfigError(
-                f"pip_extras={extra!r}: unknown raygym extra; known: {', '.join(sorted(optional))}"
-            )
-        reqs += [r for r in optional[extra] if r not in reqs]
-    return reqs
+def pip_for_extras(extras: Iterable[str], pyproject: Path | None = None) -> list[str]:
+    """The requirements of raygym's optional extras (``wandb`` → ``["wandb>=0.19"]``), from the checkout's
+    pyproject.toml or the installed package's metadata (:func:`raygym.launchers.source.extra_requirements`)."""
+    return source.extra_requirements(extras, pyproject)
 
 
 def build_entrypoint(train_args: Sequence[str], python: str = "python") -> str:
@@ -241,7 +236,7 @@ def build_job_spec(
     *,
     environ: Mapping[str, str],
     recipe: Any | None = None,
-    working_dir: str | None = str(REPO_ROOT),
+    working_dir: str | None = DEFAULT_WORKING_DIR,
     pip_extras: Iterable[str] = (),
     extra_env: Mapping[str, str] | None = None,
 ) -> JobSpec:
@@ -270,7 +265,7 @@ def build_eval_job_spec(
     eval_args: Sequence[str],
     *,
     environ: Mapping[str, str],
-    working_dir: str | None = str(REPO_ROOT),
+    working_dir: str | None = DEFAULT_WORKING_DIR,
     pip_extras: Iterable[str] = (),
     extra_env: Mapping[str, str] | None = None,
 ) -> JobSpec:
@@ -311,7 +306,7 @@ def submit_train_job(
     *,
     environ: Mapping[str, str] | None = None,
     recipe: Any | None = None,
-    working_dir: str | None = str(REPO_ROOT),
+    working_dir: str | None = DEFAULT_WORKING_DIR,
     pip_extras: Iterable[str] = (),
     extra_env: Mapping[str, str] | None = None,
     token_file: str | None = None,
@@ -378,7 +373,7 @@ def submit_eval_job(
     eval_args: Sequence[str] = (),
     *,
     environ: Mapping[str, str] | None = None,
-    working_dir: str | None = str(REPO_ROOT),
+    working_dir: str | None = DEFAULT_WORKING_DIR,
     pip_extras: Iterable[str] = (),
     extra_env: Mapping[str, str] | None = None,
     token_file: str | None = None,
@@ -490,18 +485,23 @@ def _watch(
 # ---------------------------------------------------------------- CLI
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m launchers.ray_job",
+        prog=prog,
         description="Submit `python -m raygym.train [train flags]` (or, after the word `eval`, "
-        "`raygym eval CHECKPOINT [eval flags]`) to a running Ray cluster. "
-        "Flags not listed here are train (or eval) flags and are forwarded verbatim.",
+        "`raygym eval CHECKPOINT [eval flags]`) to a running Ray cluster and follow its logs until it ends. "
+        "Flags not listed here are train (or eval) flags and are forwarded verbatim. The Ray auth token comes from "
+        "the environment (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), never from the command line.",
         allow_abbrev=False,
+        exit_on_error=False,
     )
     p.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS,
                    help="Ray dashboard URL (default $RAY_ADDRESS or %(default)s)")  # fmt: skip
-    p.add_argument("--working-dir", default=str(REPO_ROOT), help="uploaded as the job's working_dir")
-    p.add_argument("--installed", action="store_true", help="use the raygym installed on the cluster")
+    p.add_argument("--working-dir", default=source.default_working_dir(),
+                   help="uploaded as the job's working_dir (default: %(default)s: the checkout when raygym runs "
+                        "from one, else the current directory)")
+    p.add_argument("--installed", action="store_true",
+                   help="upload no working_dir: run the raygym installed on the cluster")
     p.add_argument(
         "--pip-extra", action="append", default=[], help="raygym extra to pip-install (repeatable)"
     )
@@ -514,26 +514,39 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry; returns 0 when the job succeeded (or was submitted with ``--no-wait``)."""
-    opts, train_args = _parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
+def run_cli(argv: Sequence[str], prog: str = "python -m raygym.launchers.ray_job") -> bool:
+    """Parse a launcher command line, submit its job and (unless ``--no-wait``) follow it to its end.
+
+    Returns whether it went well: the job succeeded, or was submitted with ``--no-wait`` and has not failed.
+    Bad flags raise ``ConfigError``; ``--help`` prints the help and raises ``SystemExit(0)``.
+    """
+    try:
+        opts, train_args = _parser(prog).parse_known_args(list(argv))
+    except argparse.ArgumentError as exc:
+        raise ConfigError(f"{prog}: {exc}") from None
     if train_args[:1] == ["--"]:
         train_args = train_args[1:]
     common = {"working_dir": None if opts.installed else opts.working_dir, "pip_extras": opts.pip_extra,
               "token_file": opts.auth_token_file, "submission_id": opts.submission_id, "follow": not opts.no_wait}
+    if train_args[:1] == ["eval"]:
+        if len(train_args) < 2:
+            raise ConfigError(f"eval: give the checkpoint: {prog} eval CHECKPOINT [flags]")
+        if opts.resubmit:
+            raise ConfigError("--resubmit: only training jobs resume from checkpoints; drop it for eval")
+        outcome = submit_eval_job(opts.address, train_args[1], train_args[2:], **common)
+    else:
+        outcome = submit_train_job(opts.address, train_args, resubmits=opts.resubmit, **common)
+    return outcome.succeeded or (opts.no_wait and outcome.status not in ("FAILED", "STOPPED"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m raygym.launchers.ray_job``: :func:`run_cli`; returns 0 when it went well, 1 when the job did
+    not succeed, 2 for a usage error."""
     try:
-        if train_args[:1] == ["eval"]:
-            if len(train_args) < 2:
-                raise ConfigError("eval: give the checkpoint: python -m launchers.ray_job eval CHECKPOINT [flags]")
-            if opts.resubmit:
-                raise ConfigError("--resubmit: only training jobs resume from checkpoints; drop it for eval")
-            outcome = submit_eval_job(opts.address, train_args[1], train_args[2:], **common)
-        else:
-            outcome = submit_train_job(opts.address, train_args, resubmits=opts.resubmit, **common)
+        return 0 if run_cli(sys.argv[1:] if argv is None else argv) else 1
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return 0 if outcome.succeeded or (opts.no_wait and outcome.status not in ("FAILED", "STOPPED")) else 1
 
 
 if __name__ == "__main__":
