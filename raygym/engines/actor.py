@@ -43,10 +43,11 @@ from raygym.engines.launch.sglang import (
     DELTA_LOADER,
     build_raygym_server_argv,
     build_sglang_argv,
-    raygym_cpu_cores,
+    engine_cpu_cores,
     raygym_cpu_threads,
     raygym_max_running_requests,
     render_sglang_config,
+    stock_engine_bind_env,
 )
 from raygym.engines.launch.vllm import build_vllm_argv
 from raygym.errors import ConfigError, RaygymError
@@ -314,6 +315,12 @@ class EngineActor:
 
         return "cuda" if self.gpu_ids and torch.cuda.is_available() else "cpu"
 
+    def _stock_engine_cores(self) -> tuple[int, ...] | None:
+        """The cores a stock CPU engine (SGLang, vLLM) is pinned to (raygym's server pins itself)."""
+        if self.backend == "raygym" or self._device_kind() != "cpu":
+            return None
+        return engine_cpu_cores(self.settings, sorted(os.sched_getaffinity(0)))
+
     def _argv(self, port: int) -> list[str]:
         if self.backend == "vllm":
             return build_vllm_argv(self.settings, model_path=self.model_path, host=self.host, port=port,
@@ -350,7 +357,7 @@ class EngineActor:
             max_running_requests=raygym_max_running_requests(self.settings),
             max_threads=(raygym_cpu_threads(self.settings, len(os.sched_getaffinity(0)))
                          if self._device_kind() == "cpu" else None),
-            cpu_cores=(raygym_cpu_cores(self.settings, sorted(os.sched_getaffinity(0)))
+            cpu_cores=(engine_cpu_cores(self.settings, sorted(os.sched_getaffinity(0)))
                        if self._device_kind() == "cpu" else None),
             custom_weight_loaders=[DELTA_LOADER],
             weight_version=self.weight_version,
@@ -380,6 +387,9 @@ class EngineActor:
             env["OMP_NUM_THREADS"] = "1"  # default, which must be one (raygym/cluster/cpu_threads.py)
         if self.backend == "sglang" and self._device_kind() == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"
+        pinned = self._stock_engine_cores()
+        if pinned:
+            env.update(stock_engine_bind_env(self.backend, pinned, self.settings.rollout_num_gpus_per_engine))
         if self.backend == "sglang":
             env.pop(ENGINE_API_KEY_ENV, None)  # SGLang takes its key from the config file only
         # The child imports raygym (its custom weight loader) the way this process does: the checkout or
@@ -389,6 +399,12 @@ class EngineActor:
                                             if p)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self._log_path(), "ab")  # noqa: SIM115 - lives as long as the process
+        if pinned:
+            bind = " ".join(f"{k}={v}" for k, v in stock_engine_bind_env(
+                self.backend, pinned, self.settings.rollout_num_gpus_per_engine).items())
+            self._log_file.write(f"raygym: {self.backend} pinned to cores {','.join(map(str, pinned))} "
+                                 f"({bind})\n".encode())
+            self._log_file.flush()
         self._proc = subprocess.Popen(
             argv,
             env=env,
@@ -397,6 +413,8 @@ class EngineActor:
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # its own process group: we end exactly it and its children
         )
+        if pinned:  # Popen returns once the child has exec'd, before its interpreter starts a thread
+            os.sched_setaffinity(self._proc.pid, pinned)
         if self._client is not None:
             self._run(self._client.aclose(), 10)
             self._client = None

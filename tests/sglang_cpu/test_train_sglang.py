@@ -5,6 +5,8 @@ packages, never the trainer's."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.engine_training import (
@@ -29,12 +31,15 @@ def test_train_with_stock_sglang_learns(tmp_path, sglang_python):
 def test_fully_async_with_stock_sglang_learns_within_the_staleness_bound(tmp_path, sglang_python):
     """--fully-async on stock SGLang: generation runs ahead up to --max-staleness steps, every sync's pause aborts
     what is in flight and raygym continues it on the new weights; no sample is trained past the bound."""
-    rows, _ = train_with_engine(["--rollout-engine", "sglang", "--rollout-engine-python", sglang_python,
-                                 "--fully-async", "--max-staleness", "2", "--use-tis", "--num-rollout", str(STEPS)],
-                                tmp_path / "run")
+    rows, log = train_with_engine(["--rollout-engine", "sglang", "--rollout-engine-python", sglang_python,
+                                   "--fully-async", "--max-staleness", "2", "--use-tis", "--num-rollout", str(STEPS)],
+                                  tmp_path / "run")
     assert_learns_with_probe_verified_syncs(rows, STEPS)
     assert all(0 <= r["rollout/staleness_max"] <= 2 for r in rows)
     assert max(r["rollout/staleness_max"] for r in rows) >= 1
+    if len(os.sched_getaffinity(0)) >= 2:  # cpu_placement="disjoint": the engine on the last core
+        last = max(os.sched_getaffinity(0))
+        assert f"raygym: sglang pinned to cores {last} (SGLANG_CPU_OMP_THREADS_BIND={last})" in log, log[:3000]
 
 
 def test_tiny_moe_learns_with_stock_sglang(tmp_path, sglang_python):

@@ -124,15 +124,15 @@ def test_raygym_servers_generation_thread_claims_the_cores_and_its_helpers_stay_
 def test_async_trainer_and_engine_take_disjoint_cores_and_shared_leaves_them_free():
     """``cpu_placement="disjoint"``: while engines decode beside it, a trainer rank is pinned to its slice and
     the servers to the last cores (the same split on both sides); sync runs and ``"shared"`` pin nothing."""
-    from raygym.engines.launch.sglang import raygym_cpu_cores
+    from raygym.engines.launch.sglang import engine_cpu_cores
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core here: there is no second core to split off")
     cores = sorted(os.sched_getaffinity(0))
     one_step_off = tiny().replace(async_mode=True)
-    assert raygym_cpu_cores(one_step_off, cores) == (cores[-1],)
-    assert raygym_cpu_cores(tiny(), cores) is None
-    assert raygym_cpu_cores(one_step_off.replace(cpu_placement="shared"), cores) is None
+    assert engine_cpu_cores(one_step_off, cores) == (cores[-1],)
+    assert engine_cpu_cores(tiny(), cores) is None
+    assert engine_cpu_cores(one_step_off.replace(cpu_placement="shared"), cores) is None
     out = _run_child("""
         from raygym import ModelConfig, TrainConfig
         from raygym.presets import tiny
