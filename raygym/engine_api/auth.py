@@ -23,8 +23,13 @@ ENGINE_API_KEY_ENV = "RAYGYM_ENGINE_API_KEY"
 
 
 def new_engine_api_key() -> str:
-    """A fresh random key (256 bits, URL-safe text)."""
-    return secrets.token_urlsafe(32)
+    """A fresh random key (256 bits, URL-safe text). It starts with a letter: SGLang turns its config file into
+    command-line arguments, where a value starting with ``-`` (one URL-safe key in 64) reads as an option.
+
+    >>> key = new_engine_api_key(); key[:3], len(key) > 40
+    ('rgk', True)
+    """
+    return "rgk" + secrets.token_urlsafe(32)
 
 
 def engine_api_key() -> str | None:

@@ -77,3 +77,24 @@ def test_a_flag_a_release_lacks_is_refused_before_launch():
     with pytest.raises(ConfigError, match="0.5.6"):
         build_sglang_argv(Recipe(sglang_cuda_graph_backend_prefill="disabled"), model_path="/ckpt",
                           host="127.0.0.1", port=1, sglang_version="0.5.6")
+
+
+@pytest.mark.timeout(600)
+def test_minted_engine_api_keys_survive_sglangs_config_merge(sglang_python, tmp_path):
+    """SGLang turns its config file into command-line arguments, so a key starting with '-' (one URL-safe key in
+    64) read as an option and the engine refused to start; every key raygym mints must come through whole."""
+    from raygym.engine_api.auth import new_engine_api_key
+    from tests.sglang_cpu.conftest import sglang_home
+
+    version = SUPPORTED_SGLANG[-1]
+    keys = [new_engine_api_key() for _ in range(100)]
+    argvs = []
+    for i, key in enumerate(keys):
+        config = tmp_path / f"config-{i}.yaml"
+        config.write_text(render_sglang_config(Recipe(), api_key=key))
+        argvs.append(["--model-path", "/ckpt", "--config", str(config)])
+    assert [ns["api_key"] for ns in parse_with_sglang(sglang_python, sglang_home(), version, argvs)] == keys
+    dashed = tmp_path / "dashed.yaml"
+    dashed.write_text(render_sglang_config(Recipe(), api_key="-" + keys[0]))
+    with pytest.raises(AssertionError, match="expected one argument"):
+        parse_with_sglang(sglang_python, sglang_home(), version, [["--model-path", "/ckpt", "--config", str(dashed)]])
