@@ -1,7 +1,7 @@
 """``raygym serve`` on one box: the OpenAI front and its engine without Ray Serve.
 
 One engine, one replica, nothing to autoscale: Ray Serve's HTTP proxy and the hop from it to a replica are
-pure cost there (``benchmarks/serve.py``: Ray Serve answers ~0.3 of the engine's own request rate on 2 cores,
+pure cost there (``raygym/bench/serve.py``: Ray Serve answers ~0.3 of the engine's own request rate on 2 cores,
 this server ~0.8). It runs the same ASGI app (:func:`raygym.serve.http.build_http_app`: same routes, key
 check and errors) under uvicorn in this process, and the same front and engine as a Serve
 replica (:func:`raygym.serve.replica_engine.start_engine_front`): a request is one HTTP hop from the client to the

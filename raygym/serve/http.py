@@ -2,7 +2,7 @@
 
 Plain Starlette routes, not FastAPI's: the body is parsed by the front's own pydantic models either way, and
 FastAPI's per-request dependency solving and extra middlewares were a measured share of the one-box
-server's time per request (``benchmarks/serve.py``).
+server's time per request (``raygym/bench/serve.py``).
 
 Routes: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 and an unauthenticated ``GET /health`` (for load balancers; it says nothing about the model).

@@ -78,7 +78,7 @@ def cpu_training_threads(cores: int, local_ranks: int, busy_cores: int = 0) -> i
     """Torch intra-op threads of one CPU trainer rank: the node's cores, less ``busy_cores`` (the
     threads of engines that decode at the same time, i.e. in ``async_mode``), shared by its ranks. Ray
     starts actors with ``OMP_NUM_THREADS=1``, which leaves the other cores idle during a train step.
-    Measured on 2 cores (benchmarks/e2e.py, 2.6M model, async): 1 trainer thread beside the engine's
+    Measured on 2 cores (raygym/bench/e2e.py, 2.6M model, async): 1 trainer thread beside the engine's
     one gives 0.93-1.01 s per step, 2 threads 1.06-1.10 s (threads that lose their core stall the others).
 
     >>> cpu_training_threads(2, 1), cpu_training_threads(16, 4), cpu_training_threads(2, 4)

@@ -120,6 +120,8 @@ def random_value(rng: random.Random, model, field: str):
         return rng.choice(["online", "offline", "disabled"])
     if field in ("input_key", "label_key") and model is DatasetConfig:
         return field + "-" + text(rng)
+    if field == "auto_split":  # valid with a few other fields only: random_config sets them together
+        return False
     if bool in members:
         return rng.random() < 0.5
     if int in members:
@@ -168,8 +170,13 @@ def random_config(rng: random.Random) -> TrainConfig:
             base.update(random_layout(rng))
         try:
             # fields raygym refuses to run take only their default: not drawn
-            recipe = Recipe(**random_section(rng, Recipe, base, rng.randint(1, 40),
-                                             skip=set(LAYOUT) | set(UNSUPPORTED_RECIPE_FIELDS)))
+            fields = random_section(rng, Recipe, base, rng.randint(1, 40),
+                                    skip=set(LAYOUT) | set(UNSUPPORTED_RECIPE_FIELDS))
+            if rng.random() > 0.9:  # auto_split needs engines of their own, an async schedule, steps after its probe
+                fields.update(auto_split=True, colocate=False, async_mode=False, fully_async=True, use_critic=False,
+                              rollout_function=None, num_rollout=max(int(fields["num_rollout"]), 6),
+                              auto_split_probe_steps=rng.choice([3, 4, 5]))
+            recipe = Recipe(**fields)
             model = ModelConfig(
                 **random_section(
                     rng, ModelConfig, {"hf_checkpoint": "x"}, 5,

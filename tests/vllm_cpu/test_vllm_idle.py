@@ -1,7 +1,7 @@
 """raygym's bound on vLLM's post-batch spin (raygym/engines/vllm/idle.py), against vLLM's own class in its
 interpreter: a worker's batch-queue reader made after the bound polls for the adapter's seconds, not vLLM's one
 second, and the writer side is left as vLLM made it. The CPU this saves per training step is a figure of
-benchmarks/engine_step.py, not a test."""
+raygym/bench/engine_step.py, not a test."""
 
 from __future__ import annotations
 

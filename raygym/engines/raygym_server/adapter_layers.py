@@ -5,7 +5,7 @@ The adapters are applied beside the base weights, never merged into them, so the
 the adapters do (an exact un-merge would need the pre-merge weights kept anyway), and the adapter tensors are
 parameters of the model under their own names (``model.layers.0.self_attn.q_proj.lora_A.weight``, the names of
 :mod:`raygym.lora`): weight sync writes, checksums, delta-encodes, receives in place and double-buffers them like
-any weight. What the hook costs per generated token is measured by ``benchmarks/lora.py``.
+any weight. What the hook costs per generated token is measured by ``raygym/bench/lora.py``.
 
 >>> import torch
 >>> from raygym.lora import LoraSpec

@@ -411,7 +411,7 @@ def cpu_decode_threads(granted: int, params: int) -> int:
     """Torch threads of a CPU decode: the ``granted`` cores for a model of at least 1M parameters, else one.
     A tiny model's decode step is too short for a second thread to pay for waking it (measured,
     ``raygym train`` defaults, 80K parameters on 2 cores: rollout 0.055 s a step on one thread, 0.066 s on
-    two), where a 10.6M model's rollout went from 3.46 s to 2.54 s (``benchmarks/e2e.py``).
+    two), where a 10.6M model's rollout went from 3.46 s to 2.54 s (``raygym/bench/e2e.py``).
 
     >>> cpu_decode_threads(2, 80_000), cpu_decode_threads(2, 10_600_000), cpu_decode_threads(1, 10**9)
     (1, 2, 1)

@@ -16,6 +16,9 @@ import os
 import shutil
 import signal
 import subprocess
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 
 def available() -> str | None:
@@ -39,7 +42,7 @@ class ShapedLink:
         self.rate_gbit: float | None = None
         self.shaping = "unshaped"
         self._created: list[str] = []
-        self._old_sigterm = None
+        self._old_sigterm: Callable[[int, FrameType | None], Any] | int | None = None
 
     @property
     def netns_path(self) -> str:
@@ -110,5 +113,5 @@ class ShapedLink:
         self._sh("ip", "netns", "exec", self.netns, *cmd)
 
 
-def _raise_exit(signum, frame) -> None:
+def _raise_exit(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)

@@ -18,7 +18,7 @@ Figures (JSON lines, one per engine kind and dtype):
 Engines that return no routes (stock SGLang's CPU backend, raygym's vLLM adapter: see raygym.engine_api.kinds) get the
 free figures only, with the reason.
 
-    python benchmarks/moe_mismatch.py --engines raygym,sglang,vllm
+    raygym bench moe_mismatch --engines raygym,sglang,vllm
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import os
 import platform
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -42,8 +42,10 @@ from raygym.engines.actor import EngineActor
 from raygym.presets import tiny
 from raygym.trainer.routing_replay import HFRoutingReplay
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_PYTHON = {"sglang": REPO / ".venvs/sglang-cpu/venv/bin/python", "vllm": REPO / ".venvs/vllm-cpu/venv/bin/python"}
+# the engines' interpreters: the environment's, else where scripts/install_{sglang,vllm}_cpu.sh put them (from the
+# checkout's root)
+DEFAULT_PYTHON = {"sglang": os.environ.get("RAYGYM_SGLANG_PYTHON") or ".venvs/sglang-cpu/venv/bin/python",
+                  "vllm": os.environ.get("RAYGYM_VLLM_PYTHON") or ".venvs/vllm-cpu/venv/bin/python"}
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -67,15 +69,15 @@ def start_engine(kind: str, model: str, dtype: str, python: str, log_dir: Path) 
 
 def sample(actor: EngineActor, batch: list[list[int]], new_tokens: int, with_routes: bool) -> list[dict[str, Any]]:
     """Per prompt: the sampled tokens, the engine's log-probs of them and (when asked) its routes."""
-    routes = {"return_routed_experts": True} if with_routes else {}  # SGLang refuses the field as null
+    asked: dict[str, Any] = {"return_routed_experts": True} if with_routes else {}  # SGLang refuses it as null
     answers = actor.generate(GenerateRequest(
-        input_ids=batch, return_logprob=True, **routes,
+        input_ids=batch, return_logprob=True, **asked,
         sampling_params=[{"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True,
                           "sampling_seed": 1000 + i} for i in range(len(batch))]))
     out = []
     for prompt, answer in zip(batch, answers if isinstance(answers, list) else [answers], strict=True):
         tokens, logprobs = answer.tokens_and_logprobs()
-        routes = routed_experts.from_answer(answer.meta_info, len(prompt) + len(tokens)) if with_routes else None
+        routes = routed_experts.from_answer(cast("dict[str, Any]", answer.meta_info), len(prompt) + len(tokens)) if with_routes else None
         out.append({"prompt": prompt, "tokens": tokens, "logprobs": logprobs, "routes": routes})
     return out
 

@@ -15,7 +15,7 @@ next ones still run):
   5. colocation: release (vLLM's sleep level 1), the engine's GPU memory before and after (nvidia-smi, its
      process tree), resume weights, a verified sync, resume the KV cache, generate.
 
-    python benchmarks/gpu_check_vllm.py [--python PY]        (scripts/gpu_check.sh runs it)
+    raygym bench gpu_check_vllm [--python PY]        (scripts/gpu_check.sh runs it)
 
 Needs vLLM's CUDA build importable by ``--python`` (default: ``RAYGYM_VLLM_PYTHON``, else this interpreter);
 otherwise it says so and exits 0. Budget: under 4 minutes on one H200 (vLLM start ~60 s, eager mode).
@@ -37,9 +37,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from gpu_check_sglang import Trainer, make_model  # noqa: E402
+from raygym.bench.gpu_check_sglang import Trainer, make_model
 
 T0 = time.time()
 PROMPTS, NEW_TOKENS = 64, 64
@@ -171,8 +169,9 @@ def main() -> None:
         @step("throughput")
         def _throughput() -> None:
             def one(prompt: list[int]) -> int:
-                out = engine.generate(GenerateRequest.model_validate({"input_ids": prompt, "sampling_params": {
-                    "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}}))
+                out = engine.generate(GenerateRequest(input_ids=prompt, sampling_params={
+                    "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}))
+                assert not isinstance(out, list), "one prompt, one answer"
                 return out["meta_info"]["completion_tokens"]
 
             with ThreadPoolExecutor(PROMPTS) as pool:
@@ -188,8 +187,9 @@ def main() -> None:
 
         @step("mismatch")
         def _mismatch() -> None:
-            answers = engine.generate(GenerateRequest.model_validate({"input_ids": prompts[:16], "return_logprob": True, "sampling_params": [
-                {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True, "sampling_seed": i} for i in range(16)]}))
+            answers = engine.generate(GenerateRequest(input_ids=prompts[:16], return_logprob=True, sampling_params=[
+                {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True, "sampling_seed": i} for i in range(16)]))
+            assert isinstance(answers, list), "a batch: one answer per prompt"
             responses = [[t for _, t, _ in ans["meta_info"]["output_token_logprobs"]] for ans in answers]
             mine = trainer.probe_log_probs(prompts[:16], responses)
             diffs = [abs(lp - want) for ans, row in zip(answers, mine, strict=True)
@@ -206,6 +206,7 @@ def main() -> None:
         @step("sleep_wake")
         def _sleep_wake() -> None:
             pid = engine.pid()
+            assert pid is not None, "the engine's server process has no pid"
             before = engine_gpu_mib(pid)
             engine.call(Endpoint.RELEASE_MEMORY)
             released = engine_gpu_mib(pid)
@@ -218,7 +219,8 @@ def main() -> None:
             metrics = sync.push(999)
             sync.shutdown()
             engine.call(Endpoint.RESUME_MEMORY, tags=["kv_cache"])
-            out = engine.generate(GenerateRequest.model_validate({"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}}))
+            out = engine.generate(GenerateRequest(input_ids=prompts[0], sampling_params={"max_new_tokens": 8, "ignore_eos": True}))
+            assert not isinstance(out, list), "one prompt, one answer"
             emit("vllm_sleep_wake", engine_gpu_mib_before=before, engine_gpu_mib_released=released,
                  engine_gpu_mib_after=engine_gpu_mib(pid), probe_logprob_diff_mean=metrics["sync/probe_logprob_diff_mean"],
                  generated=out["meta_info"]["completion_tokens"])

@@ -15,6 +15,7 @@ import queue
 import threading
 from collections import deque
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -108,7 +109,7 @@ class PipeEngineLink:
         self._waiting: deque[Future] = deque()
         threading.Thread(target=self._read, daemon=True).start()
 
-    def call(self, endpoint, body, timeout):
+    def call(self, endpoint: Endpoint | str, body: Any, timeout: float) -> Any:
         """``endpoint``: a protocol Endpoint with its request model, or ``"raw_broadcast"`` with a dict."""
         fut: Future = Future()
         with self._lock:

@@ -5,7 +5,7 @@ CPU (always): the builtin tiny Qwen3 on a batch of mixed-length samples, dynamic
 GPU (only when CUDA is present): a Qwen3-0.6B-architecture model with random weights, tokens/s and MFU
 (6 * params * tokens/s over the GPU's dense bf16 peak; attention FLOPs not counted).
 
-    python benchmarks/train_step.py [--repeats 3] [--samples 64]
+    raygym bench train_step [--repeats 3] [--samples 64]
 
 Prints one JSON object per line.
 """
@@ -18,18 +18,15 @@ import os
 import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from raygym.config import ModelConfig, Recipe, TrainConfig  # noqa: E402
-from raygym.trainer import TrainBatch, TrainerSettings  # noqa: E402
-from raygym.trainer.torch_backend import TorchBackend  # noqa: E402
-from raygym.types import Sample  # noqa: E402
+from raygym.config import ModelConfig, Recipe, TrainConfig
+from raygym.trainer import TrainBatch, TrainerSettings
+from raygym.trainer.torch_backend import TorchBackend
+from raygym.types import Sample
 
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
 
@@ -146,7 +143,7 @@ def qwen3_0_6b_random(directory: str) -> str:
         num_key_value_heads=8,
         head_dim=128,
         max_position_embeddings=40960,
-        rope_theta=1000000.0,
+        rope_theta=1000000.0,  # type: ignore[call-arg]  # transformers 5 takes it through **kwargs
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
     )

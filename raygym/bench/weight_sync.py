@@ -22,7 +22,7 @@ measured in the same run, ratio with its definition in ``ratio_is``, goal, machi
 4. serving: a real raygym server generating continuously while it receives syncs, with and without
    double buffering; the rollout pause per sync (``weight_sync_serving.py``).
 
-    python benchmarks/weight_sync.py [--syncs 12] [--link-gbit 10 1] [--cache-dir DIR] [--skip serving]
+    raygym bench weight_sync [--syncs 12] [--link-gbit 10 1] [--cache-dir DIR] [--skip serving]
                                      [--hidden 768 --layers 12 --vocab 32000] [--warm-steps 3] [--steps 2]
 """
 
@@ -33,15 +33,13 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
+from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from raygym.engine_api.protocol import Endpoint, ShadowBegin, ShadowSwitch, WeightsChecksum  # noqa: E402
+from raygym.bench.weight_sync_trainer import BenchTrainer, ping_pong
+from raygym.engine_api.protocol import Endpoint, ShadowBegin, ShadowSwitch, WeightsChecksum
 
 MACHINE = {"cores": os.cpu_count(), "device": "cpu", "torch": torch.__version__, "platform": platform.platform()}
 MODES = ("full", "delta", "auto")
@@ -101,48 +99,6 @@ def trained_versions(args) -> tuple[list[dict[str, torch.Tensor]], float, object
     return versions, train_s, model.config
 
 
-class BenchTrainer:
-    """Trainer rank 0 in this process, with TrainerActor's weight-sync methods; ``schedule`` maps each
-    wire version to the trained weights it carries."""
-
-    def __init__(self, versions: list[dict[str, torch.Tensor]]):
-        from raygym.weightsync.sender import RankWeightSync
-
-        self.versions = versions
-        self.schedule: dict[int, int] = {}
-        self.wsync = RankWeightSync(0)
-
-    def init_weight_sync(self, spec):
-        return self.wsync.init(spec)
-
-    def push_weights(self, version: int, force_full: bool = False, refresh_snapshot: bool = True):
-        return self.wsync.push(version, self.versions[self.schedule[version]].items(), force_full, refresh_snapshot)
-
-    def commit_weights(self, version: int) -> None:
-        self.wsync.commit(version)
-
-    def discard_weights(self) -> None:
-        self.wsync.discard()
-
-    def reconnect_weight_sync(self):
-        return self.wsync.reconnect()
-
-    def close_weight_sync(self) -> None:
-        self.wsync.close()
-
-
-def ping_pong(steps: int, count: int) -> list[int]:
-    """``count`` version indexes 1, 2, .., steps, steps-1, .., 1, 2, ..: every sync moves one trained step.
-
-    >>> ping_pong(2, 5), ping_pong(3, 6)
-    ([1, 2, 1, 2, 1], [1, 2, 3, 2, 1, 2])
-    """
-    if steps == 1:
-        return [1, 0] * (count // 2) + [1] * (count % 2)
-    cycle = list(range(1, steps + 1)) + list(range(steps - 1, 1, -1))
-    return [cycle[i % len(cycle)] for i in range(count)]
-
-
 # --------------------------------------------------------------------------- output
 
 
@@ -160,7 +116,7 @@ def emit(figure: str, value: float, unit: str = "s", baseline: float | None = No
     print(json.dumps(row), flush=True)
 
 
-def _breakdown(m: dict[str, float]) -> dict[str, float]:
+def _breakdown(m: dict[str, float]) -> dict[str, Any]:
     keys = ("sync/bytes", "sync/changed_frac", "sync/encode_s", "sync/transfer_s", "sync/wait_s", "sync/apply_s",
             "sync/buckets")
     return {k.removeprefix("sync/"): m[k] for k in keys if k in m}
@@ -253,7 +209,11 @@ def transport_figures(versions, rx, rx_shadow, args, memcpy_s: float) -> None:
     shadow_sender = make_sender(shadow_links, "full", "127.0.0.1", bucket)
     try:
         piece = sender.bucket_bytes()
-        raws_one, raws_pieces, fulls, shadowed = [], [], [], []
+        # (wall seconds, the sync's metrics) per repetition
+        runs_one: list[tuple[float, dict]] = []
+        runs_pieces: list[tuple[float, dict]] = []
+        fulls: list[tuple[float, dict]] = []
+        shadowed: list[tuple[float, dict]] = []
         cpu: dict[str, list[float]] = {"raw_one": [], "raw_pieces": [], "full": [], "shadowed": []}
         metrics: dict[int, dict] = {}
         verify: dict[str, list[float]] = {"full": [], "shadowed": []}
@@ -274,8 +234,8 @@ def transport_figures(versions, rx, rx_shadow, args, memcpy_s: float) -> None:
         push(1, False)
         push(99, True)  # the shadow copy is allocated on its first use
         for rep in range(2, args.reps + 2):  # interleaved, so load changes hit all four alike
-            for key, out, fn in (("raw_one", raws_one, lambda: raw_broadcast(sender, links, total, total)),
-                                 ("raw_pieces", raws_pieces, lambda: raw_broadcast(sender, links, total, piece)),
+            for key, out, fn in (("raw_one", runs_one, lambda: raw_broadcast(sender, links, total, total)),
+                                 ("raw_pieces", runs_pieces, lambda: raw_broadcast(sender, links, total, piece)),
                                  ("full", fulls, lambda rep=rep: push(rep, False)),
                                  ("shadowed", shadowed, lambda rep=rep: push(100 + rep, True))):
                 wall, used = measured(fn, shadow_pids if key == "shadowed" else pids)
@@ -289,8 +249,8 @@ def transport_figures(versions, rx, rx_shadow, args, memcpy_s: float) -> None:
                     verify[key].append(time.perf_counter() - t0)
                     for link, got in zip(to, answers, strict=True):
                         assert got == want, f"{link.name} differs after a {key} sync"
-        raws_one = [w for w, _ in raws_one]
-        raws_pieces = [w for w, _ in raws_pieces]
+        raws_one = [w for w, _ in runs_one]
+        raws_pieces = [w for w, _ in runs_pieces]
     finally:
         sender.close()
         shadow_sender.close()
@@ -388,9 +348,8 @@ def link_modes(label: str, versions, receiver_sets, args, master: str) -> dict[s
 
 
 def main() -> None:
-    import shaped_link
-    from weight_sync_receivers import Receivers
-
+    from raygym.bench import shaped_link
+    from raygym.bench.weight_sync_receivers import Receivers
     from raygym.weightsync.codec import ENCODINGS, encode_delta
 
     ap = argparse.ArgumentParser()
@@ -473,7 +432,7 @@ def main() -> None:
                         rx.close()
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     if "serving" not in args.skip:
-        from weight_sync_serving import serving_pause
+        from raygym.bench.weight_sync_serving import serving_pause
 
         serving_pause(versions, config, args, emit)
 

@@ -2,7 +2,7 @@
 own server (the baseline, measured in the same run), stock SGLang (with and without ``--sleep-on-idle``) and vLLM's
 CPU build; the median step and its phases, and each engine's step as a ratio of the baseline's.
 
-    python benchmarks/engine_step.py --steps 30 --sglang-python PY --vllm-python PY
+    raygym bench engine_step --steps 30 --sglang-python PY --vllm-python PY
 
 One JSON line per engine; an engine whose interpreter is not given is skipped with the reason.
 """
@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
 PHASES = ("perf/step_time", "perf/rollout_time", "perf/train_time", "perf/sync_time")
 
 
@@ -30,7 +29,7 @@ def run(name: str, flags: list[str], args: argparse.Namespace, work: Path) -> di
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "raygym", "train", "--preset", "tiny", "--hf-checkpoint", args.model,
            "--num-rollout", str(args.steps), "--save-interval", str(10**6), *flags, "--output-dir", str(out)]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{name}: raygym train failed\n{(done.stdout + done.stderr)[-3000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -55,7 +54,8 @@ def main() -> None:
         engines: list[tuple[str, list[str], str]] = [("raygym", [], "")]
         for kind, python in (("sglang", args.sglang_python), ("vllm", args.vllm_python)):
             if not python:
-                print(json.dumps({"engine": kind, "skipped": f"no interpreter: pass --{kind}-python"}), flush=True)
+                print(json.dumps({"figure": "verified_step_s", "engine": kind,
+                                  "skipped": f"no interpreter: pass --{kind}-python"}), flush=True)
                 continue
             flags = ["--rollout-engine", kind, "--rollout-engine-python", python]
             engines.append((kind, flags, ""))
@@ -66,9 +66,12 @@ def main() -> None:
         for name, flags, note in engines:
             figures = run(name, flags, args, work)
             baseline = baseline or figures
-            print(json.dumps({"engine": name, "steps": args.steps, "warmup": args.warmup,
+            ratio = figures["perf/step_time"] / baseline["perf/step_time"]
+            print(json.dumps({"figure": "verified_step_s", "engine": name, "steps": args.steps, "warmup": args.warmup,
                               **{k.removeprefix("perf/"): round(v, 4) for k, v in figures.items()},
-                              "step_vs_raygym": round(figures["perf/step_time"] / baseline["perf/step_time"], 2),
+                              "value": round(figures["perf/step_time"], 4),
+                              "baseline": round(baseline["perf/step_time"], 4), "baseline_name": "raygym's server",
+                              "ratio": round(ratio, 3), "step_vs_raygym": round(ratio, 2),
                               **({"note": note} if note else {}), "machine": machine}), flush=True)
 
 

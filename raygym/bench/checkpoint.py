@@ -16,7 +16,7 @@ Figures, per world size (``max`` over ranks):
   sharded vs gather-and-pickle (``ratio`` = sharded / gather). The sharded writer fsyncs its files; the
   pickle path never did.
 
-    python benchmarks/checkpoint.py [--worlds 1 2 4] [--layers 16] [--repeats 2]
+    raygym bench checkpoint [--worlds 1 2 4] [--layers 16] [--repeats 2]
 
 Prints one JSON object per line.
 """
@@ -35,10 +35,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def machine() -> dict:
@@ -90,8 +89,8 @@ def gather_and_pickle_save(backend, url: str) -> None:
     from raygym.checkpoint.store import capture_rng_state, save_checkpoint
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model = get_model_state_dict(backend.model, options=opts)
-    optim = get_optimizer_state_dict(backend.model, backend.optimizer, options=opts)
+    model: dict[str, Any] = get_model_state_dict(backend.model, options=opts)  # full, on the CPU: tensors
+    optim: dict[str, Any] = get_optimizer_state_dict(backend.model, backend.optimizer, options=opts)
     if backend.rank == 0:
         save_checkpoint(url, 0, model_state=model, optimizer_state=optim,
                         trainer_state={"schedule": backend.schedule.state_dict(), "rng": capture_rng_state()})
@@ -106,15 +105,26 @@ def gather_and_pickle_load(backend, url: str) -> None:
         set_optimizer_state_dict,
     )
 
-    from raygym.checkpoint.store import latest_checkpoint, load_checkpoint
+    from raygym.checkpoint.store import load_checkpoint
 
     sharded = backend.world_size > 1
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded)
-    ckpt = load_checkpoint(latest_checkpoint(url).path) if backend.rank == 0 or not sharded else None
-    set_model_state_dict(backend.model, ckpt.model_state if ckpt else {}, options=opts)
-    set_optimizer_state_dict(backend.model, backend.optimizer, ckpt.optimizer_state if ckpt else {}, options=opts)
+    ckpt = load_checkpoint(saved(url)) if backend.rank == 0 or not sharded else None
+    model: dict[str, Any] = ckpt.model_state if ckpt else {}
+    optim: dict[str, Any] = (ckpt.optimizer_state or {}) if ckpt else {}
+    set_model_state_dict(backend.model, model, options=opts)
+    set_optimizer_state_dict(backend.model, backend.optimizer, optim, options=opts)
     if sharded:
         dist.barrier()
+
+
+def saved(url: str) -> str:
+    """The path of the checkpoint just saved under ``url``."""
+    from raygym.checkpoint.store import latest_checkpoint
+
+    latest = latest_checkpoint(url)
+    assert latest is not None, f"no checkpoint under {url}"
+    return latest.path
 
 
 def sharded_save(backend, url: str) -> None:
@@ -126,10 +136,9 @@ def sharded_save(backend, url: str) -> None:
 
 def sharded_load(backend, url: str) -> None:
     from raygym.checkpoint.sharded import load_sharded
-    from raygym.checkpoint.store import latest_checkpoint
 
     template = backend.checkpoint_state(include_optimizer=True)
-    backend.load_checkpoint_state(load_sharded(latest_checkpoint(url).path, template, rank=backend.rank,
+    backend.load_checkpoint_state(load_sharded(saved(url), template, rank=backend.rank,
                                                world_size=backend.world_size))
 
 
@@ -179,7 +188,7 @@ def worker(model_dir: str, out_dir: str, repeats: int) -> None:
             barrier()
             if backend.rank == 0:
                 shutil.rmtree(url)
-    everyone = [out]
+    everyone: list[dict[str, dict] | None] = [out]
     if world > 1:
         everyone = [None] * world
         dist.all_gather_object(everyone, out)
@@ -203,7 +212,7 @@ def run_world(world: int, model_dir: str, scratch: Path, repeats: int) -> list[d
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", model_dir, str(out_dir),
+        procs.append(subprocess.Popen([sys.executable, "-m", "raygym.bench.checkpoint", "--worker", model_dir, str(out_dir),
                                        "--repeats", str(repeats)], env=env))
     codes = [p.wait() for p in procs]
     if any(codes):
@@ -223,7 +232,8 @@ def main() -> None:
     ap.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "OUT_DIR"))
     args = ap.parse_args()
     if args.worker:
-        worker(*args.worker, args.repeats)
+        model_dir, out_dir = args.worker
+        worker(model_dir, out_dir, args.repeats)
         return
     info = machine()
     with tempfile.TemporaryDirectory(prefix="raygym-bench-ckpt-") as scratch:

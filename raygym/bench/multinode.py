@@ -1,11 +1,12 @@
 """Multi-node figures on one machine: runs submitted as Ray jobs to clusters of separate nodes, each node its own
-network namespace (``scripts/local_cluster.py``; needs root). One JSON object per line:
+network namespace (``scripts/local_cluster.py`` of a raygym checkout: run from its root; needs root). One JSON
+object per line:
 
 1. ``step_time_3_nodes_vs_1``: median step time of the tiny disaggregated run (1 trainer, 2 engines) with the
    trainer and each engine on its own node, against the same run with all three on one node (the driver and the
    rollout manager on a CPU head in both);
 2. ``step_time_delta_vs_full_1gbit``: the trainer node's link shaped to 1 Gbit/s each way (tc), a larger model
-   (``--sync-model``: the ``ref`` size of benchmarks/e2e.py), ``update_weight_mode`` delta against full: step
+   (``--sync-model``: the ``ref`` size of raygym.bench.e2e), ``update_weight_mode`` delta against full: step
    and sync times, wire bytes;
 3. ``engine_node_recovery``: an engine node killed mid-rollout and started again at once: seconds until the head
    declared it dead, until it rejoined, and until the run trained a step at full engine count again, from the
@@ -13,7 +14,7 @@ network namespace (``scripts/local_cluster.py``; needs root). One JSON object pe
 
 Numbers vary with the machine's load (reported); the ratios are measured in the same run.
 
-    sudo python benchmarks/multinode.py [--steps 12] [--skip sync,recovery]
+    sudo python -m raygym.bench.multinode [--steps 12] [--skip sync,recovery]
 """
 
 from __future__ import annotations
@@ -29,17 +30,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout
-
-from launchers.ray_job import submit_train_job  # noqa: E402
-from scripts.local_cluster import LocalCluster, remove_stale, unavailable  # noqa: E402
+if TYPE_CHECKING:
+    from scripts.local_cluster import LocalCluster
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
-REF_ARCH = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512, "num_attention_heads": 4,
-            "num_key_value_heads": 4, "head_dim": 64}  # benchmarks/e2e.py's "ref" size
+REF_ARCH: dict[str, Any] = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512,
+                            "num_attention_heads": 4, "num_key_value_heads": 4,
+                            "head_dim": 64}  # raygym.bench.e2e's "ref" size
 MACHINE = {"cores": os.cpu_count(), "device": "cpu (logical GPUs)", "platform": platform.platform()}
 
 
@@ -62,6 +61,8 @@ def run_job(cluster: LocalCluster, out: Path, args: list[str],
             on_rows: Callable[[list[dict[str, Any]]], None] | None = None) -> list[tuple[float, dict[str, Any]]]:
     """Submit one run and follow it; returns (when it appeared, metrics row) per step."""
     from ray.job_submission import JobSubmissionClient
+
+    from raygym.launchers.ray_job import submit_train_job
 
     outcome = submit_train_job(cluster.dashboard_url, [*args, "--output-dir", str(out)], environ=cluster.env,
                                working_dir=None, follow=False, out=lambda line: print(line, file=sys.stderr))
@@ -160,6 +161,11 @@ def main() -> None:
     p.add_argument("--skip", default="", help="comma separated: steps, sync, recovery")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    try:  # the checkout's helper that builds clusters of network namespaces, not part of the package
+        from scripts.local_cluster import LocalCluster, remove_stale, unavailable
+    except ImportError:
+        p.error("needs scripts/local_cluster.py of a raygym checkout: run it from the checkout's root "
+                "(sudo python -m raygym.bench.multinode)")
     why = unavailable()
     if why:
         emit("multinode_skipped", value=0.0, unit="", reason=why)

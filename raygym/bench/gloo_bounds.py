@@ -11,7 +11,7 @@ so raw / variant bounds what ``gloo_full_sync`` can reach here:
   hashing what they received (what verification costs);
 - ``per_tensor``: no packing: one asynchronous broadcast per tensor, straight from and into the tensors.
 
-    python benchmarks/gloo_bounds.py [--reps 8] [--bucket-mb 32] [--tensor-mb 1.33]
+    raygym bench gloo_bounds [--reps 8] [--bucket-mb 32] [--tensor-mb 1.33]
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,13 +39,15 @@ def copy_hashing(out: np.ndarray, src: np.ndarray) -> str:
     state = xxhash.xxh3_64()
     for i in range(0, src.size, CHUNK):
         np.copyto(out[i : i + CHUNK], src[i : i + CHUNK])
-        state.update(memoryview(out[i : i + CHUNK]))
+        state.update(out[i : i + CHUNK].data)
     return state.hexdigest()
 
 
 def plan_buckets(sizes: list[int], bucket: int) -> list[list[tuple[int, int, int]]]:
     """(tensor index, offset in bucket, bytes) per bucket, filled in order."""
-    plan, current, used = [], [], 0
+    plan: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    used = 0
     for i, n in enumerate(sizes):
         if current and used + n > bucket:
             plan.append(current)
@@ -98,7 +99,7 @@ def worker(rank: int, port: int, args, out) -> None:
                 dist.broadcast(region, 0)
                 if variant == "pack_hash":
                     for _, off, n in entries:
-                        xxhash.xxh3_64_hexdigest(memoryview(region[off : off + n].numpy()))
+                        xxhash.xxh3_64_hexdigest(region[off : off + n].numpy().data)
             base += used
         if pending is not None:
             pending.result()
@@ -132,7 +133,6 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=32.0)
     ap.add_argument("--tensor-mb", type=float, default=1.33)
     args = ap.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from raygym.weightsync.transport_dist import free_port
 
     ctx = mp.get_context("spawn")

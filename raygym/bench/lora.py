@@ -3,7 +3,7 @@ baseline in the same run. JSON lines, one figure each (value, baseline, ratio an
 machine with its load).
 
 1. ``sync``: the weight-sync benchmark's ~100M-parameter Qwen3 shape (hidden 768, 12 layers, vocab 32000, tied
-   embeddings; ``benchmarks/weight_sync.py``) with real torch trainer ranks (``TrainerActor``) and real raygym
+   embeddings; ``raygym bench weight_sync``) with real torch trainer ranks (``TrainerActor``) and real raygym
    servers (subprocesses, HTTP, gloo group): after each train step ``WeightSync.push`` (pause, push, checksum
    verification, continue) of the whole model (full fine-tuning) and of rank-16 adapters on every linear layer
    (LoRA): bytes and seconds per sync. Also the adapter share of the bytes for other target sets and for the
@@ -14,7 +14,7 @@ machine with its load).
 3. ``curve``: the default task (``raygym train``, tiny preset) fully fine-tuned and with LoRA (the tiny preset's
    LoRA settings): the steps until the 5-step mean reward is 0.3 above the first 5 steps'.
 
-    python benchmarks/lora.py [--skip sync memory curve] [--syncs 4] [--rank 16] [--curve-steps 60]
+    raygym bench lora [--skip sync memory curve] [--syncs 4] [--rank 16] [--curve-steps 60]
 """
 
 from __future__ import annotations
@@ -30,11 +30,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-REPO = Path(__file__).resolve().parents[1]
+from raygym.bench.common import wait_healthy
 
 
 def machine() -> dict:
@@ -145,13 +143,12 @@ def raygym_server(model_dir: str, extra_args: list[str]) -> Iterator[str]:
     """One raygym server subprocess on CPU (its output on stderr, so stdout stays JSON lines); yields its URL."""
     from raygym.weightsync.payload import LOADER
     from raygym.weightsync.transport_dist import free_port
-    from tests.weightsync.raygym_servers import wait_healthy
 
     port = free_port("127.0.0.1")
     proc = subprocess.Popen([sys.executable, "-m", "raygym.engines.raygym_server.server", "--model-path", model_dir, "--host",
                              "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32",
                              "--custom-weight-loader", LOADER, *extra_args],
-                            stdout=sys.stderr, stderr=sys.stderr, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            stdout=sys.stderr, stderr=sys.stderr)
     try:
         wait_healthy(proc, f"http://127.0.0.1:{port}", 600)
         yield f"http://127.0.0.1:{port}"
@@ -167,11 +164,13 @@ def generation_seconds(url: str, prompts: int, tokens: int) -> float:
     import httpx
 
     from raygym.engine_api.auth import auth_headers
+    from raygym.engine_api.protocol import Endpoint, GenerateRequest, body_fields
 
-    body = {"input_ids": [[5 + (i % 30)] * 16 for i in range(prompts)], "return_logprob": True,
-            "sampling_params": {"max_new_tokens": tokens, "temperature": 1.0, "ignore_eos": True}}
+    body = body_fields(GenerateRequest(input_ids=[[5 + (i % 30)] * 16 for i in range(prompts)], return_logprob=True,
+                                       sampling_params={"max_new_tokens": tokens, "temperature": 1.0,
+                                                        "ignore_eos": True}))
     start = time.perf_counter()
-    answer = httpx.post(f"{url}/generate", json=body, headers=auth_headers(), timeout=600)
+    answer = httpx.post(f"{url}{Endpoint.GENERATE.value}", json=body, headers=auth_headers(), timeout=600)
     assert answer.status_code == 200, answer.text
     return time.perf_counter() - start
 
@@ -186,14 +185,15 @@ def sync_section(args, model_dir: str) -> None:
     adapter, total = adapter_share(model_dir, args.rank, ("all-linear",))
     emit(f"adapter_params_over_model[all-linear,r{args.rank}]", adapter / total, unit="ratio", adapter_params=adapter,
          model_params=total, shape="100M benchmark shape", goal="<= 0.02 (bytes of a sync)")
-    for targets in (("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "v_proj")):
-        a, t = adapter_share(model_dir, args.rank, targets)
-        emit(f"adapter_params_over_model[{','.join(targets)},r{args.rank}]", a / t, unit="ratio", adapter_params=a,
+    for attention in (("q_proj", "k_proj", "v_proj", "o_proj"), ("q_proj", "v_proj")):
+        a, t = adapter_share(model_dir, args.rank, attention)
+        emit(f"adapter_params_over_model[{','.join(attention)},r{args.rank}]", a / t, unit="ratio", adapter_params=a,
              model_params=t, shape="100M benchmark shape")
-    for name, shape in (("qwen3-4b", dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+    shapes: tuple[tuple[str, dict[str, Any]], ...] = (("qwen3-4b", dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                                           num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)),
                         ("qwen3-8b", dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                                          num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False))):
+                                          num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)))
+    for name, shape in shapes:
         a, t = adapter_share(Qwen3Config(vocab_size=151936, head_dim=128, **shape), args.rank, ("all-linear",))
         emit(f"adapter_params_over_model[all-linear,r{args.rank}]", a / t, unit="ratio", adapter_params=a,
              model_params=t, shape=name)
@@ -282,9 +282,9 @@ def memory_section(args, model_dir: str) -> None:
     for tokens, recompute in ((256, False), (1024, False)):
         peaks = {}
         for label, rank in (("full", 0), ("lora", args.rank)):
-            done = subprocess.run([sys.executable, __file__, "--peak-rss-child", model_dir, "--rank", str(rank),
+            done = subprocess.run([sys.executable, "-m", "raygym.bench.lora", "--peak-rss-child", model_dir, "--rank", str(rank),
                                    "--tokens", str(tokens)] + (["--recompute"] if recompute else []),
-                                  capture_output=True, text=True, timeout=1800, cwd=REPO)
+                                  capture_output=True, text=True, timeout=1800)
             assert done.returncode == 0, done.stderr[-3000:]
             peaks[label] = json.loads(done.stdout.strip().splitlines()[-1])
         full, lora = peaks["full"], peaks["lora"]
@@ -306,8 +306,8 @@ def memory_section(args, model_dir: str) -> None:
 def steps_to_gain(rewards: list[float], gain: float) -> int | None:
     """The first step whose 5-step mean reward (that step and the 4 before) is ``gain`` above the first 5's.
 
-    >>> steps_to_gain([0.0] * 5 + [1.0] * 5, 0.3)
-    7
+    >>> steps_to_gain([0.0] * 5 + [1.0] * 5, 0.3)  # steps 2-6 average 0.4
+    6
     """
     base = sum(rewards[:5]) / 5
     return next((i for i in range(4, len(rewards)) if sum(rewards[i - 4 : i + 1]) / 5 >= base + gain), None)
@@ -321,7 +321,7 @@ def curve_section(args) -> None:
             env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": tempfile.mkdtemp(prefix="rgl-", dir="/tmp")}
             start = time.perf_counter()
             done = subprocess.run([sys.executable, "-m", "raygym", "train", *flags, "--num-rollout", str(steps),
-                                   "--save-interval", "100000", "--output-dir", str(out)], cwd=REPO, env=env,
+                                   "--save-interval", "100000", "--output-dir", str(out)], env=env,
                                   capture_output=True, text=True, timeout=7200)
             assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -4,7 +4,7 @@ HF model on the same GPU taking real AdamW steps in between. Every push is verif
 weight version each engine reports, the probe of log-probs against the trainer) and printed as one JSON line
 with its sync metrics. A step that fails prints its error and the next ones still run.
 
-    python benchmarks/gpu_check_sglang.py [--model-dir D] [--python PY]     (scripts/gpu_check.sh runs it)
+    raygym bench gpu_check_sglang [--model-dir D] [--python PY]     (scripts/gpu_check.sh runs it)
 
 Needs SGLang importable by ``--python`` (default: this interpreter); otherwise it says so and exits 0.
 Budget: under 3 minutes on one H200 (SGLang start ~60 s without CUDA graphs).
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -22,8 +21,6 @@ import time
 import traceback
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 T0 = time.time()
 
@@ -40,9 +37,9 @@ def make_model(path: str) -> None:
     tokenizer_dir = materialize_model(TINY_MODEL, tempfile.mkdtemp(prefix="tok-"), seed=0)
     config = Qwen3Config(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=1024,
-                         tie_word_embeddings=False, torch_dtype="bfloat16")
+                         tie_word_embeddings=False, dtype="bfloat16")
     torch.manual_seed(0)
-    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    Qwen3ForCausalLM(config).bfloat16().save_pretrained(path)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
 
 
@@ -54,7 +51,8 @@ class Trainer:
 
         from raygym.weightsync.sender import RankWeightSync
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).cuda()
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model = model.cuda()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.wsync = RankWeightSync(0)
 

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 
-import torch
+from raygym.engine_api.protocol import Endpoint, GenerateRequest, body_fields
 
 CLIENTS = 2
 PROMPT_TOKENS, NEW_TOKENS = 16, 4
@@ -44,7 +44,7 @@ def save_model(versions, config, path: str) -> None:
     model = Qwen3ForCausalLM(config)
     missing, _ = model.load_state_dict({n: t.float() for n, t in versions[0].items()}, strict=False)
     assert set(missing) <= {"lm_head.weight"}, missing  # tied to the embeddings
-    model.to(torch.bfloat16).save_pretrained(path)
+    model.bfloat16().save_pretrained(path)
 
 
 class Clients:
@@ -75,10 +75,11 @@ class Clients:
                 self._go.wait()
                 with self._lock:
                     self._parked -= 1
-            body = {"input_ids": [rng.randrange(2, self.vocab) for _ in range(PROMPT_TOKENS)],
-                    "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}}
+            body = body_fields(GenerateRequest(
+                input_ids=[rng.randrange(2, self.vocab) for _ in range(PROMPT_TOKENS)],
+                sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 1.0, "ignore_eos": True}))
             try:
-                answer = self._client.post(f"{self.url}/generate", json=body).json()
+                answer = self._client.post(f"{self.url}{Endpoint.GENERATE.value}", json=body).json()
                 ok = answer["meta_info"]["finish_reason"]["type"] != "abort"
             except Exception:
                 ok = False
@@ -136,8 +137,8 @@ def pauses(done: list[tuple[int, float, bool]], windows: list[tuple[float, float
 def serving_pause(versions, config, args, emit) -> None:
     """Emit the rollout pause per sync with and without double buffering."""
     import httpx
-    from weight_sync import BenchTrainer, ping_pong
 
+    from raygym.bench.weight_sync_trainer import BenchTrainer, ping_pong
     from raygym.config import Recipe
     from raygym.weightsync.coordinator import WeightSync
     from raygym.weightsync.payload import LOADER
@@ -157,7 +158,7 @@ def serving_pause(versions, config, args, emit) -> None:
         while True:
             assert server.poll() is None, f"server exited with {server.returncode}"
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{url}{Endpoint.HEALTH.value}", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -166,7 +167,7 @@ def serving_pause(versions, config, args, emit) -> None:
         clients = Clients(url, config.vocab_size)
         clients.wait_completions(QUIET_COMPLETIONS)
         schedule = ping_pong(args.steps, args.serving_syncs)
-        results = {}
+        results: dict[bool, dict[str, list]] = {}  # double buffered or not -> its windows and reports
         for double_buffer in (False, True, True, False):  # ABBA against drift
             recipe = Recipe(update_weight_mode="full", update_weight_transport="nccl",
                             update_weight_buffer_size=int(args.bucket_mb * 1024 * 1024), update_weight_timeout=300.0,

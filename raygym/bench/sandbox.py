@@ -9,7 +9,7 @@ repetition runs every mode back to back, so load drift cancels in the paired rat
   the same sandbox (same namespaces, limits, seccomp, cgroup);
 - ``plain``: that same program as a plain ``python3 -I -S -c`` subprocess (no isolation at all).
 
-Prints one JSON line per backend. Run: ``python benchmarks/sandbox.py [--runs 30]``.
+Prints one JSON line per backend. Run: ``raygym bench sandbox [--runs 30]``.
 """
 
 from __future__ import annotations

