@@ -147,6 +147,11 @@ def _print_plan(cfg: TrainConfig, cluster: str | None = None) -> None:
     console.print(cfg.recipe.trainer_backend_summary(megatron_installed=megatron_installed()), markup=False)
     console.print(f"schedule: {cfg.recipe.schedule.describe()}", markup=False)
     r = cfg.recipe
+    if r.auto_split:
+        console.print(f"split: auto; steps up to {(r.start_rollout_id or 0) + r.auto_split_probe_steps - 1} measure "
+                      "rollout and training with the split above, then the run re-picks it at a checkpoint (cores of a "
+                      "node on CPU, GPUs on a cluster); `raygym plan --split-from RUN_DIR` shows a run's choice",
+                      markup=False)
     if r.trainer_backend == "megatron" or r.tensor_model_parallel_size * r.expert_model_parallel_size * \
             r.pipeline_model_parallel_size * r.context_parallel_size > 1:  # which ranks form which Megatron groups
         from raygym.cluster.parallel_layout import ParallelLayout

@@ -114,6 +114,13 @@ def test_bad_split_fields_are_config_errors(fields, words):
         tiny().replace(**fields)
 
 
+def test_plan_says_the_split_is_chosen_by_measurement():
+    out = subprocess.run([sys.executable, "-m", "raygym", "plan", "--fully-async", "--auto-split", "--num-rollout", "10"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "split: auto; steps up to 3 measure rollout and training" in out.stdout
+
+
 def test_plan_split_from_a_run_dir(tmp_path: Path):
     recipe = tiny().replace(fully_async=True, num_rollout=8, auto_split=True)
     cfg = TrainConfig(recipe=recipe, model=ModelConfig(hf_checkpoint="builtin:tiny-qwen3"), output_dir=str(tmp_path))
