@@ -364,23 +364,3 @@ def test_syncs_raise_no_false_alarm(engine, vllm_python, vllm_model):
     print(f"{len(history)} vLLM syncs without a false alarm in ~40 s (worst margin {margin:.2f})")
     assert len(history) >= 10 and margin <= 1.0
 
-
-def test_seeded_requests_whose_prefill_is_split_sample_as_if_it_were_not(engine, vllm_python, vllm_model,
-                                                                          tmp_path):
-    """A step's token budget smaller than the prompts makes vLLM split their prefill and discard the token it
-    samples for a partial request, rewinding the seeded generator by a CUDA-only offset: on CPU the worker died
-    (raygym.engines.vllm.cpu_seeds). The split engine must answer, and sample what the unsplit one does."""
-    import json
-
-    prompts = [[3 + (7 * i + j) % 40 for j in range(40)] for i in range(8)]  # 320 prompt tokens, 8 rows
-    split = EngineActor(recipe(vllm_python), engine_index=1, model_path=vllm_model, gpu_ids=[], host="127.0.0.1",
-                        backend="vllm", startup_timeout=600, log_dir=str(tmp_path),
-                        extra_server_args=["--engine-args", json.dumps({"max_num_batched_tokens": 64})])
-    split.start()
-    try:
-        chunked = generate(split, prompts, sampling_seed=5)
-    finally:
-        split.close()
-    whole = generate(engine, prompts, sampling_seed=5)
-    assert [a["output_ids"] for a in chunked] == [a["output_ids"] for a in whole]
-    assert "does not use offset" not in (tmp_path / "server-1.log").read_text()

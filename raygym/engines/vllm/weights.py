@@ -50,7 +50,6 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from raygym.engines.serving.weight_receiver import destroy_group
-from raygym.engines.vllm.cpu_seeds import rewind_cpu_generators_on_cpu
 from raygym.engines.vllm.idle import bound_reader_spin_from_env
 from raygym.errors import WeightSyncError
 from raygym.weightsync.codec import checksum, dtype_from_name
@@ -59,7 +58,6 @@ from raygym.weightsync.tensor_pickle import loads_named_tensors
 from raygym.weightsync.transport_dist import join_group, receive_flattened, receive_tensors
 
 bound_reader_spin_from_env()  # this module loads in every worker before its batch queue is made
-rewind_cpu_generators_on_cpu()  # and before its model runner samples a token
 
 BACKEND = "raygym"
 SOURCES = ("group", "disk", "tensors")
