@@ -363,4 +363,3 @@ def test_syncs_raise_no_false_alarm(engine, vllm_python, vllm_model):
     margin = max(m["sync/probe_margin"] for m in history)
     print(f"{len(history)} vLLM syncs without a false alarm in ~40 s (worst margin {margin:.2f})")
     assert len(history) >= 10 and margin <= 1.0
-
