@@ -316,8 +316,10 @@ class EngineActor:
         return "cuda" if self.gpu_ids and torch.cuda.is_available() else "cpu"
 
     def _stock_engine_cores(self) -> tuple[int, ...] | None:
-        """The cores a stock CPU engine (SGLang, vLLM) is pinned to (raygym's server pins itself)."""
-        if self.backend == "raygym" or self._device_kind() != "cpu":
+        """The cores stock SGLang on CPU is pinned to (raygym's server pins itself). vLLM's CPU build keeps its own
+        binding: held to the engines' cores it splits more seeded prefills, which kills its worker
+        (docs/benchmarks.md, the vLLM async section)."""
+        if self.backend != "sglang" or self._device_kind() != "cpu":
             return None
         return engine_cpu_cores(self.settings, sorted(os.sched_getaffinity(0)))
 

@@ -49,16 +49,12 @@ def test_the_builtin_model_is_refused_before_anything_starts(tmp_path, vllm_pyth
 def test_fully_async_with_vllm_learns_within_the_staleness_bound(tmp_path, vllm_python, vllm_model):
     """--fully-async on vLLM: generation runs ahead up to --max-staleness steps; what a sync aborts is continued
     on the new weights; no sample is trained past the bound."""
-    rows, log = train_with_engine(["--preset", "tiny", "--hf-checkpoint", vllm_model, "--rollout-engine", "vllm",
+    rows, _ = train_with_engine(["--preset", "tiny", "--hf-checkpoint", vllm_model, "--rollout-engine", "vllm",
                                  "--rollout-engine-python", vllm_python, "--fully-async", "--max-staleness", "2",
                                  "--use-tis", "--num-rollout", str(STEPS)], tmp_path / "run")
     assert_learns_with_probe_verified_syncs(rows, STEPS)
     assert all(0 <= r["rollout/staleness_max"] <= 2 for r in rows)
     assert max(r["rollout/staleness_max"] for r in rows) >= 1
-    if len(os.sched_getaffinity(0)) >= 2:  # cpu_placement="disjoint": the engine on the last core, vLLM told so
-        last = max(os.sched_getaffinity(0))
-        assert f"raygym: vllm pinned to cores {last}" in log and f"VLLM_CPU_OMP_THREADS_BIND='{last}'" in log, \
-            log[:3000]
 
 
 def test_tiny_moe_learns_with_vllm(tmp_path, vllm_python):

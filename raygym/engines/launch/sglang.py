@@ -91,7 +91,7 @@ def raygym_cpu_threads(recipe: Recipe, cores: int) -> int:
 
 def engine_cpu_cores(recipe: Recipe, cores: Sequence[int]) -> tuple[int, ...] | None:
     """The cores the CPU engines on a node of ``cores`` are pinned to (raygym's servers through ``--cpu-cores``,
-    stock SGLang and vLLM through :func:`stock_engine_bind_env` and the process's affinity): with
+    stock SGLang through :func:`stock_engine_bind_env` and the process's affinity): with
     ``cpu_placement="disjoint"``, when they decode while the trainer trains, the last ``Recipe.engine_cores``, the
     trainer ranks keeping the others (``raygym.trainer.decisions.cpu_training_cores``: the same split). None:
     not pinned.
@@ -109,22 +109,20 @@ def engine_cpu_cores(recipe: Recipe, cores: Sequence[int]) -> tuple[int, ...] | 
 
 
 def stock_engine_bind_env(backend: str, cores: Sequence[int], tp_size: int) -> dict[str, str]:
-    """The environment that binds a stock CPU engine's compute threads to ``cores`` (its tensor-parallel ranks
-    to equal slices of them): SGLang reads ``SGLANG_CPU_OMP_THREADS_BIND``, vLLM ``VLLM_CPU_OMP_THREADS_BIND``,
-    each as core lists joined by ``|``, one per rank. Without it SGLang takes every core of the NUMA node and
-    vLLM binds its worker by its own rule, onto the trainer's cores.
+    """The environment that binds stock SGLang's CPU compute threads to ``cores`` (its tensor-parallel ranks to
+    equal slices of them): ``SGLANG_CPU_OMP_THREADS_BIND``, core lists joined by ``|``, one per rank. Without it
+    SGLang takes every core of the NUMA node, the trainer's too.
 
-    >>> stock_engine_bind_env("vllm", [1], 1), stock_engine_bind_env("sglang", [4, 5, 6, 7], 2)
-    ({'VLLM_CPU_OMP_THREADS_BIND': '1'}, {'SGLANG_CPU_OMP_THREADS_BIND': '4,5|6,7'})
+    >>> stock_engine_bind_env("sglang", [1], 1), stock_engine_bind_env("sglang", [4, 5, 6, 7], 2)
+    ({'SGLANG_CPU_OMP_THREADS_BIND': '1'}, {'SGLANG_CPU_OMP_THREADS_BIND': '4,5|6,7'})
     >>> stock_engine_bind_env("raygym", [1], 1)
     {}
     """
-    names = {"sglang": "SGLANG_CPU_OMP_THREADS_BIND", "vllm": "VLLM_CPU_OMP_THREADS_BIND"}
-    if backend not in names:
+    if backend != "sglang":
         return {}
     per_rank = max(1, len(cores) // tp_size)
     ranks = [cores[r * per_rank:(r + 1) * per_rank] or cores[-1:] for r in range(tp_size)]
-    return {names[backend]: "|".join(",".join(map(str, rank)) for rank in ranks)}
+    return {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, rank)) for rank in ranks)}
 
 
 def raygym_max_running_requests(recipe: Recipe) -> int:
