@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from raygym.bench.common import wait_healthy
+from raygym.bench.common import figure_row, wait_healthy
 
 
 def machine() -> dict:
@@ -44,16 +44,8 @@ def machine() -> dict:
 
 def emit(figure: str, value: float, unit: str = "s", baseline: float | None = None, ratio: float | None = None,
          ratio_is: str | None = None, goal: str | None = None, **extra) -> None:
-    row: dict = {"figure": figure, "value": round(value, 6), "unit": unit}
-    if baseline is not None:
-        row["baseline"] = round(baseline, 6)
-    if ratio is not None:
-        row.update(ratio=round(ratio, 4), ratio_is=ratio_is)
-    if goal:
-        row["goal"] = goal
-    row.update({k: (round(v, 6) if isinstance(v, float) else v) for k, v in extra.items()})
-    row["machine"] = machine()
-    print(json.dumps(row), flush=True)
+    print(json.dumps(figure_row(figure, value, machine(), unit, baseline, ratio, ratio_is, goal, **extra)),
+          flush=True)
 
 
 # --------------------------------------------------------------------------- models

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from raygym.bench.common import figure_row
 from raygym.bench.weight_sync_trainer import BenchTrainer, ping_pong
 from raygym.engine_api.protocol import Endpoint, ShadowBegin, ShadowSwitch, WeightsChecksum
 
@@ -104,16 +105,8 @@ def trained_versions(args) -> tuple[list[dict[str, torch.Tensor]], float, object
 
 def emit(figure: str, value: float, unit: str = "s", baseline: float | None = None, ratio: float | None = None,
          ratio_is: str | None = None, goal: str | None = None, **extra) -> None:
-    row: dict = {"figure": figure, "value": round(value, 6), "unit": unit}
-    if baseline is not None:
-        row["baseline"] = round(baseline, 6)
-    if ratio is not None:
-        row.update(ratio=round(ratio, 4), ratio_is=ratio_is)
-    if goal:
-        row["goal"] = goal
-    row.update({k: (round(v, 6) if isinstance(v, float) else v) for k, v in extra.items()})
-    row["machine"] = {**MACHINE, "load_avg_1m": round(os.getloadavg()[0], 2)}
-    print(json.dumps(row), flush=True)
+    print(json.dumps(figure_row(figure, value, {**MACHINE, "load_avg_1m": round(os.getloadavg()[0], 2)}, unit, baseline, ratio, ratio_is, goal, **extra)),
+          flush=True)
 
 
 def _breakdown(m: dict[str, float]) -> dict[str, Any]:
