@@ -363,3 +363,14 @@ def test_syncs_raise_no_false_alarm(engine, vllm_python, vllm_model):
     margin = max(m["sync/probe_margin"] for m in history)
     print(f"{len(history)} vLLM syncs without a false alarm in ~40 s (worst margin {margin:.2f})")
     assert len(history) >= 10 and margin <= 1.0
+
+
+def test_seeded_prompts_beyond_one_steps_token_budget_all_answer(engine, tmp_path):
+    """More prompt tokens at once than vLLM's default step budget (2048): with chunked prefill vLLM splits one
+    prefill, discards its sample and rewinds the seeded generator by an offset CPU generators lack, and the worker
+    died (raygym.engines.launch.vllm.cpu_engine_args). Every seeded prompt must answer, and the engine live on."""
+    prompts = [[3 + (7 * i + j) % 40 for j in range(900)] for i in range(6)]  # 5400 prompt tokens
+    answers = generate(engine, prompts, sampling_seed=5)
+    assert len(answers) == len(prompts) and all(len(a["output_ids"]) == 6 for a in answers)
+    again = generate(engine, prompts[:2], sampling_seed=5)
+    assert [a["output_ids"] for a in again] == [a["output_ids"] for a in answers[:2]]

@@ -123,6 +123,22 @@ def cpu_dtype(requested: str, checkpoint_dtype: str, cpu_flags: str) -> str:
     return requested
 
 
+def cpu_engine_args(user_args: dict[str, Any]) -> dict[str, Any]:
+    """vLLM engine arguments raygym sets on CPU, under the user's ``--engine-args`` (which win).
+
+    Chunked prefill is off: a request whose prefill vLLM splits has the token it sampled discarded, and vLLM
+    rewinds that request's seeded generator with ``Generator.set_offset``, which CPU generators lack ("CPU
+    Generator does not use offset"), so the worker dies (vLLM 0.32, ``GPUModelRunner._bookkeeping_sync``).
+    raygym seeds every request, and fully async training resumes many long requests at once after a sync, so
+    splits are common there. Unsplit, each step's token budget grows to at least the context length (vLLM's
+    own rule when chunking is off), the same choice vLLM makes on CPU for MLA models.
+
+    >>> cpu_engine_args({}), cpu_engine_args({"enable_chunked_prefill": True})
+    ({'enable_chunked_prefill': False}, {'enable_chunked_prefill': True})
+    """
+    return {"enable_chunked_prefill": False, **user_args}
+
+
 def cpu_kv_cache_gib(kv_bytes_per_token: int, max_num_seqs: int, max_model_len: int) -> int:
     """GiB for ``VLLM_CPU_KVCACHE_SPACE``: every sequence at full length, between 1 and 64 GiB.
 

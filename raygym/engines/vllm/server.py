@@ -56,7 +56,7 @@ from aiohttp import web
 from raygym.engine_api import protocol
 from raygym.engine_api.auth import engine_api_key
 from raygym.engine_api.protocol import STATE_CHANGING, Endpoint, GenerateResponse
-from raygym.engines.launch.vllm import cpu_dtype, cpu_kv_cache_gib, model_facts
+from raygym.engines.launch.vllm import cpu_dtype, cpu_engine_args, cpu_kv_cache_gib, model_facts
 from raygym.engines.serving.generate_route import (
     GenerateError,
     SampleJob,
@@ -551,13 +551,16 @@ async def serve(args: argparse.Namespace) -> None:
     from raygym.engines.vllm.lora import lora_engine_args
 
     lora_args = lora_engine_args(args.lora_rank) if args.lora_rank > 0 else {}
+    extra_engine_args = json.loads(args.engine_args)
+    if device == "cpu":
+        extra_engine_args = cpu_engine_args(extra_engine_args)
     engine_args = AsyncEngineArgs(
         model=model_path, tokenizer=model_path, dtype=dtype, seed=args.seed, max_model_len=max_len,
         tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager or device == "cpu",
         enable_sleep_mode=args.enable_sleep_mode and device == "cuda", logprobs_mode="processed_logprobs",
         worker_extension_cls=WORKER_EXTENSION, weight_transfer_config={"backend": "raygym"},
-        disable_log_stats=True, **lora_args, **json.loads(args.engine_args))
+        disable_log_stats=True, **lora_args, **extra_engine_args)
     llm = AsyncLLM.from_engine_args(engine_args)
     tokenizer = llm.get_tokenizer()
     adapter = VllmAdapter(
