@@ -159,11 +159,13 @@ def model_targets(model_path: str, spec: LoraSpec) -> list[str]:
     """The module paths ``spec`` targets in the HF model at ``model_path``, found on the meta device (no
     weights are read); ConfigError for an unknown target (what the run checks before Ray starts)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from raygym.vision.qwen_vl import auto_model_class
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        model = auto_model_class(config).from_config(config)
     return resolve_targets(spec, linear_modules(model))
 
 

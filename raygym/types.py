@@ -51,6 +51,9 @@ class Sample:
     # MoE routing replay: the experts the engine routed each forwarded token to, [tokens - 1, layers * top_k]
     # int16 (raygym/routed_experts.py); None when the engine returned none
     routed_experts: np.ndarray | None = None
+    # vision-language prompts: the prompt's images, in placeholder order, as PNG data URLs
+    # (raygym/vision/images.py); prompt_tokens hold each one's widened image tokens
+    images: list[str] = field(default_factory=list)
 
     @property
     def response_length(self) -> int:

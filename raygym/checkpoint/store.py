@@ -224,11 +224,13 @@ def write_hf_model(model_state: dict[str, torch.Tensor], hf_source: str, out_url
     in-memory transformers model (the torch backend's) or those of the checkpoint files (the Megatron
     backend's: e.g. one tensor per MoE expert, which transformers 5 fuses in memory).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from raygym.vision.qwen_vl import auto_model_class
 
     config = AutoConfig.from_pretrained(hf_source)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = auto_model_class(config).from_config(config, dtype=torch.float32)
     model.load_state_dict(model_state, strict=False, assign=True)
     if any(p.is_meta for p in model.parameters()):
         model = _load_file_named_state(model_state, hf_source)
@@ -276,14 +278,17 @@ def _load_file_named_state(model_state: dict[str, torch.Tensor], hf_source: str)
     checkpoint FILES: staged as a safetensors file and read back with ``from_pretrained``, which applies
     the model's own name conversions (ConfigError naming what is missing)."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from raygym.vision.qwen_vl import auto_model_class
 
     with tempfile.TemporaryDirectory(prefix="raygym-hfstage-") as staging:
         Path(staging, "config.json").write_bytes(Path(hf_source, "config.json").read_bytes())
         save_file({k: v.contiguous() for k, v in model_state.items()}, str(Path(staging, "model.safetensors")),
                   metadata={"format": "pt"})
         # output_loading_info=True returns (model, info); transformers' annotation says the model alone.
-        loaded: Any = AutoModelForCausalLM.from_pretrained(staging, dtype=torch.float32, output_loading_info=True)
+        auto = auto_model_class(AutoConfig.from_pretrained(staging))
+        loaded: Any = auto.from_pretrained(staging, dtype=torch.float32, output_loading_info=True)
         model, info = loaded
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
@@ -403,8 +408,10 @@ def merge_into_base(base_path: str, adapter_dir: str) -> dict[str, torch.Tensor]
     from raygym.lora import import_peft
 
     peft = import_peft()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    from raygym.vision.qwen_vl import auto_model_class
+
+    base = auto_model_class(AutoConfig.from_pretrained(base_path)).from_pretrained(base_path, dtype=torch.float32)
     merged = peft.PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     return {k: v.detach() for k, v in merged.state_dict().items()}

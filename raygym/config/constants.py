@@ -27,7 +27,7 @@ RECIPE_CHOICES: dict[str, tuple[Any, ...]] = {
 }
 
 # The built-in rewards (``rm_type``); raygym.rewards.scoring.BUILTIN_REWARDS holds them under these names.
-RM_TYPES = ("math", "math_verify", "gsm8k", "exact", "next_digit", "long_tail", "reasoning_gym")
+RM_TYPES = ("math", "math_verify", "gsm8k", "exact", "next_digit", "long_tail", "count_shapes", "reasoning_gym")
 # rm_type values the rollout task scores itself (raygym.rollout.tasks): the judge engine group, the episode's reward.
 TASK_RM_TYPES = ("judge", "env")
 
@@ -61,7 +61,6 @@ UNSUPPORTED_RECIPE_FIELDS: dict[str, str] = {
     "set --hf-checkpoint to that checkpoint instead",
     "megatron_conversion_hf_checkpoint": "the Megatron backend loads model.hf_checkpoint's weights directly, with no "
     "separate HF-to-Megatron conversion; set --hf-checkpoint to that checkpoint instead",
-    "multimodal_keys": "raygym's datasets, rollout and trainers handle text prompts only",
 }
 UNSUPPORTED_MODEL_FIELDS: dict[str, str] = {
     "tokenizer": "the rollout engines, the rollout manager and the HF export all read the tokenizer files of "

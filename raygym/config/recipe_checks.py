@@ -33,6 +33,7 @@ from raygym.engine_api.kinds import check_inflight_update, check_routing_replay,
 from raygym.engine_api.kinds import check_lora as check_lora_engine
 from raygym.envs.specs import parse_env_spec
 from raygym.errors import ConfigError
+from raygym.vision.keys import parse_multimodal_keys
 
 
 def validate_recipe(r: RecipeFields) -> None:
@@ -75,9 +76,9 @@ def validate_recipe(r: RecipeFields) -> None:
         raise ConfigError(f"rollout_stop_token_ids={r.rollout_stop_token_ids!r}: token ids are >= 0")
     check_no_secrets("environment", r.environment)
     check_no_secrets("train_env_vars", r.train_env_vars)
-    for field in ("apply_chat_template_kwargs", "multimodal_keys"):
-        if isinstance(getattr(r, field), str) and getattr(r, field):
-            parse_json_object(field, getattr(r, field))
+    if isinstance(r.apply_chat_template_kwargs, str) and r.apply_chat_template_kwargs:
+        parse_json_object("apply_chat_template_kwargs", r.apply_chat_template_kwargs)
+    parse_multimodal_keys(r.multimodal_keys)  # a map of "image" to a column, or nothing
 
 
 def check_ranges(r: RecipeFields) -> None:

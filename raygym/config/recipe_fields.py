@@ -405,7 +405,10 @@ class RecipeFields(Section):
         "", "Keyword arguments for the tokenizer's apply_chat_template (a dict or JSON); '' = none."
     )
     multimodal_keys: dict[str, Any] | str | None = option(
-        None, "Multimodal dataset columns (a dict or JSON); not supported, leave unset (text prompts only)."
+        None, "Dataset columns of multimodal inputs, modality -> column (a dict or JSON), e.g. "
+        "'{\"image\": \"images\"}'; only 'image' is supported (a column of one image or a list: paths relative "
+        "to the data file, URLs, data URLs, base64 or bytes), and it needs a vision-language hf_checkpoint. "
+        "None = text prompts only."
     )
 
     @model_validator(mode="before")

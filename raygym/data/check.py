@@ -7,6 +7,11 @@ for anything, so a typo costs seconds, not a cluster start. A local file is stre
 ConfigError reaches the user the same way). Every problem is a :class:`ConfigError` naming the file,
 the line, the key and the fix.
 
+With ``image_key`` (the image column of ``multimodal_keys``), every row of a local file also has its images read,
+decoded and checked against the limits of :mod:`raygym.vision.dataset`, and its prompt must name them
+consistently; a remote file's first rows are checked for the column, the image count and the placeholders only
+(its images are read when the data loads, and a row whose images fail there is skipped and counted).
+
 >>> import json, os, tempfile
 >>> path = os.path.join(tempfile.mkdtemp(), "rows.jsonl")
 >>> _ = open(path, "w").write(json.dumps({"question": "2+2?", "answer": "4"}) + "\\n")
@@ -117,7 +122,8 @@ def _check_row(row: Any, line_no: int, where: str, input_key: str, label_key: st
                           "chat messages: point --input-key at the prompt column")
 
 
-def _check_parquet(url: str, where: str, input_key: str, label_key: str | None) -> DataSummary:
+def _check_parquet(url: str, where: str, input_key: str, label_key: str | None,
+                   image_key: str | None = None, local: bool = True) -> DataSummary:
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -135,7 +141,31 @@ def _check_parquet(url: str, where: str, input_key: str, label_key: str | None) 
     _check_row(fake_row, 1, where, input_key, label_key, apply_chat_template=True)
     if rows == 0:
         raise ConfigError(f"{where}: the file has no rows; point it at a dataset with prompts")
+    if image_key:
+        _check_parquet_images(url, where, columns, input_key, image_key, local)
     return DataSummary(url, rows, True, tuple(columns))
+
+
+def _check_parquet_images(url: str, where: str, columns: list[str], input_key: str, image_key: str,
+                          local: bool) -> None:
+    """Every row's images (a local file; a remote one's first :data:`REMOTE_ROWS_CHECKED` rows, not loaded)."""
+    import fsspec
+    import pyarrow.parquet as pq
+
+    from raygym.vision.dataset import check_row_images, data_dir
+
+    if image_key not in columns:
+        check_row_images({c: None for c in columns}, where, column=image_key, input_key=input_key, base_dir=None)
+    base = data_dir(url)
+    index = 0
+    with fsspec.open(url, "rb") as fh:
+        for batch in pq.ParquetFile(fh).iter_batches(batch_size=256, columns=[input_key, image_key]):
+            for row in batch.to_pylist():
+                if not local and index >= REMOTE_ROWS_CHECKED:
+                    return
+                check_row_images(row, f"{where} row {index}", column=image_key, input_key=input_key,
+                                 base_dir=base, load=local)
+                index += 1
 
 
 def check_prompt_data(
@@ -147,11 +177,13 @@ def check_prompt_data(
     apply_chat_template: bool = False,
     field: str = "prompt_data",
     max_rows: int | None = None,
+    image_key: str | None = None,
 ) -> DataSummary:
     """Check the dataset at ``url`` (a path or fsspec URL): it exists, every row (the first
     ``max_rows``; default: all of a local file, :data:`REMOTE_ROWS_CHECKED` of a remote one) is a JSON
-    object with ``input_key`` (text, or chat messages with ``apply_chat_template``) and ``label_key``.
-    Raises :class:`ConfigError` naming ``field``, the file, the line and the fix."""
+    object with ``input_key`` (text, or chat messages with ``apply_chat_template``) and ``label_key``, and
+    with ``image_key`` (``multimodal_keys``' image column) images that load (local files) and that the prompt
+    names consistently. Raises :class:`ConfigError` naming ``field``, the file, the line and the fix."""
     where = f"{field}={url!r}"
     flag = "--" + field.split("[")[0].replace("_", "-")
     local = is_local(url)
@@ -165,14 +197,21 @@ def check_prompt_data(
     limit = max_rows if max_rows is not None else (None if local else REMOTE_ROWS_CHECKED)
     try:
         if kind == "parquet":
-            return _check_parquet(url, where, input_key, label_key)
+            return _check_parquet(url, where, input_key, label_key, image_key, local)
         rows, complete = 0, True
         columns: tuple[str, ...] = ()
+        if image_key:
+            from raygym.vision.dataset import check_row_images, data_dir
+
+            base = data_dir(url)
         for line_no, row in _jsonl_rows(url, where):
             if limit is not None and rows >= limit:
                 complete = False
                 break
             _check_row(row, line_no, where, input_key, label_key, apply_chat_template)
+            if image_key:
+                check_row_images(row, f"{where} line {line_no} (row {rows})", column=image_key, input_key=input_key,
+                                 base_dir=base, load=local)
             if rows == 0:
                 columns = tuple(map(str, row))
             rows += 1

@@ -11,6 +11,13 @@ Prompt length policy (``rollout_max_prompt_len``):
 - ``"truncate"``: the prompt keeps its LAST ``max_prompt_len`` tokens (the end of a templated prompt
   carries the generation prompt the model must see).
 
+Images (``image_key``, the column ``multimodal_keys`` names; :mod:`raygym.vision.dataset`): each row's images
+are loaded and checked when the dataset loads, and its prompt tokens are the widened ones (one token per merged
+patch of each image), which the length policy applies to; truncation never cuts an image (a row whose cut
+would is dropped and counted in ``num_image_cuts``; whole leading images cut off leave the row without them).
+A row whose images cannot be used (a file gone, a URL down, too large) is skipped and counted in
+``num_bad_images``, its reason kept in ``bad_image_reasons`` (the first few).
+
 >>> import tempfile, json, os
 >>> d = tempfile.mkdtemp(); p = os.path.join(d, "rows.jsonl")
 >>> _ = open(p, "w").write(json.dumps({"prompt": "2+2=", "label": "4"}) + "\\n")
@@ -33,8 +40,10 @@ from raygym.errors import ConfigError
 
 if TYPE_CHECKING:
     from raygym.config.run import TrainConfig
+    from raygym.vision.dataset import ImagePrompt
 
 PROMPT_LEN_POLICIES = ("filter", "truncate")
+BAD_IMAGE_REASONS_KEPT = 5  # reasons of skipped image rows kept for the log
 
 
 class _PromptRowFields(NamedTuple):
@@ -48,20 +57,25 @@ class _PromptRowFields(NamedTuple):
 class PromptRow(_PromptRowFields):
     """One prompt handed to the rollout: unpacks as ``(data_index, prompt, label, metadata, prompt_tokens)``.
 
-    ``columns`` (an attribute, not part of the tuple) holds every column of the row but the prompt's,
-    for reward functions that take data columns by name (TRL, verl).
+    ``columns`` (an attribute, not part of the tuple) holds every column of the row but the prompt's (and the
+    image column's), for reward functions that take data columns by name (TRL, verl). ``images`` (an attribute)
+    holds the row's images as PNG data URLs, in the order of their tokens in ``prompt_tokens``; ``[]`` for text.
     """
 
     columns: dict[str, Any]
+    images: list[str]
 
     def __new__(cls, data_index: int, prompt: Any, label: Any, metadata: dict[str, Any],
-                prompt_tokens: list[int], columns: Mapping[str, Any] | None = None) -> PromptRow:
+                prompt_tokens: list[int], columns: Mapping[str, Any] | None = None,
+                images: Sequence[str] | None = None) -> PromptRow:
         row = super().__new__(cls, data_index, prompt, label, metadata, prompt_tokens)
         row.columns = dict(columns or {})
+        row.images = list(images or [])
         return row
 
     def _replace(self, **changes: Any) -> PromptRow:
-        return PromptRow(*super()._replace(**changes), columns=self.columns)
+        images = changes.pop("images", self.images)
+        return PromptRow(*super()._replace(**changes), columns=self.columns, images=images)
 
 
 def _data_format(url: str, fmt: str | None) -> str:
@@ -196,6 +210,9 @@ class PromptDataset:
         prompt_len_policy: str = "filter",
         shuffle: bool = True,
         seed: int = 1234,
+        image_key: str | None = None,
+        image_processor: Any = None,
+        data_dir: str | None = None,
     ) -> None:
         if prompt_len_policy not in PROMPT_LEN_POLICIES:
             raise ConfigError(
@@ -208,20 +225,46 @@ class PromptDataset:
         self.seed = seed
         kwargs = parse_chat_template_kwargs(apply_chat_template_kwargs)
         self.num_filtered = 0  # rows dropped by the "filter" prompt-length policy
+        self.num_bad_images = 0  # rows skipped: an image that could not be used when the data loaded
+        self.bad_image_reasons: list[str] = []  # the first BAD_IMAGE_REASONS_KEPT of their reasons
+        self.num_image_cuts = 0  # rows dropped by "truncate": the cut would split an image
+        self._images = None
+        if image_key:
+            from raygym.vision.dataset import ImagePrompts, load_image_processor
+
+            if isinstance(image_processor, str):  # a model path: builtin names and remote URLs resolved first
+                from raygym.builtin import resolve_model_path
+
+                image_processor = load_image_processor(resolve_model_path(image_processor), image_processor)
+            self._images = ImagePrompts(image_key, tokenizer, image_processor, data_dir)
         self._items: list[PromptRow] = []
         for index, row in enumerate(rows):
-            item = self._build_item(index, row, tokenizer, input_key, label_key, metadata_key,
-                                    apply_chat_template, kwargs)
+            built = self._build_item(index, row, tokenizer, input_key, label_key, metadata_key,
+                                     apply_chat_template, kwargs)
+            if built is None:
+                continue
+            item, image_prompt = built
             if max_prompt_len is not None and len(item.prompt_tokens) > max_prompt_len:
                 if prompt_len_policy == "filter":
                     self.num_filtered += 1
                     continue
-                item = item._replace(prompt_tokens=item.prompt_tokens[-max_prompt_len:])
+                item = self._truncate(item, image_prompt, max_prompt_len)
+                if item is None:
+                    continue
             self._items.append(item)
+        if self.num_bad_images:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "prompt data %r: %d row(s) skipped for images that could not be used, e.g. %s", source,
+                self.num_bad_images, "; ".join(self.bad_image_reasons))
         if not self._items:
+            images = (f", {self.num_bad_images} with unusable images, {self.num_image_cuts} whose truncation would "
+                      "cut an image") if image_key else ""
             raise ConfigError(
                 f"prompt data {source!r}: no usable rows ({len(rows)} read, {self.num_filtered} longer than "
-                f"rollout_max_prompt_len={max_prompt_len}); raise rollout_max_prompt_len or check the file"
+                f"rollout_max_prompt_len={max_prompt_len}{images}); raise rollout_max_prompt_len or check the file"
+                + (f" (first image problem: {self.bad_image_reasons[0]})" if self.bad_image_reasons else "")
             )
         self._epoch = 0
         self._offset = 0
@@ -251,21 +294,55 @@ class PromptDataset:
         if not isinstance(metadata, dict):
             raise ConfigError(f"{where}: metadata_key {metadata_key!r} must hold an object (or JSON text of one)")
         prompt = row[input_key]
-        try:
-            text = render_prompt(prompt, tokenizer, use_template, kwargs)
-        except ValueError as e:
-            raise ConfigError(f"{where}: input_key {input_key!r} {e}") from None
-        tokens = list(tokenizer.encode(text, add_special_tokens=False))
+
+        def render(value: Any) -> str:
+            try:
+                return render_prompt(value, tokenizer, use_template, kwargs)
+            except ValueError as e:
+                raise ConfigError(f"{where}: input_key {input_key!r} {e}") from None
+
         label = row[label_key] if label_key else None
-        columns = {k: v for k, v in row.items() if k != input_key}
-        return PromptRow(index, prompt, label, metadata, tokens, columns)
+        if self._images is None:
+            tokens = list(tokenizer.encode(render(prompt), add_special_tokens=False))
+            columns = {k: v for k, v in row.items() if k != input_key}
+            return PromptRow(index, prompt, label, metadata, tokens, columns), None
+        from raygym.vision.images import ImageError
+
+        try:
+            images = self._images.load(row, where)
+        except ImageError as e:
+            self.num_bad_images += 1
+            if len(self.bad_image_reasons) < BAD_IMAGE_REASONS_KEPT:
+                self.bad_image_reasons.append(str(e))
+            return None
+        built = self._images.build(prompt, images, render, tokenizer, where)
+        columns = {k: v for k, v in row.items() if k not in (input_key, self._images.column)}
+        return PromptRow(index, prompt, label, metadata, built.tokens, columns, built.images), built
+
+    def _truncate(self, item: PromptRow, image_prompt: ImagePrompt | None, max_len: int) -> PromptRow | None:
+        """``item`` keeping its last ``max_len`` prompt tokens; None (counted) when that would split an image."""
+        if image_prompt is None or not image_prompt.images:
+            return item._replace(prompt_tokens=item.prompt_tokens[-max_len:])
+        from raygym.vision.dataset import truncate_image_tokens
+
+        kept = truncate_image_tokens(item.prompt_tokens, image_prompt.image_token, image_prompt.sizes, max_len)
+        if kept is None:
+            self.num_image_cuts += 1
+            return None
+        tokens, dropped = kept
+        return item._replace(prompt_tokens=tokens, images=item.images[dropped:])
 
     @classmethod
     def from_url(
         cls, url: str, tokenizer: Any, *, fmt: str | None = None, cache_dir: str | None = None, **kwargs: Any
     ) -> PromptDataset:
-        """Load ``url`` (path, ``file://``, ``memory://``, any fsspec URL, or ``builtin:next-digit``)."""
+        """Load ``url`` (path, ``file://``, ``memory://``, any fsspec URL, or ``builtin:next-digit``); relative
+        image paths are relative to the file's directory."""
         local = resolve_data_url(url, cache_dir)
+        if kwargs.get("image_key") and kwargs.get("data_dir") is None:
+            from raygym.vision.dataset import data_dir
+
+            kwargs["data_dir"] = data_dir(local)
         return cls(read_rows(local, fmt), tokenizer, source=url, **kwargs)
 
     def __len__(self) -> int:
@@ -333,9 +410,16 @@ class PromptDataset:
 
 
 def dataset_options(cfg: TrainConfig) -> dict[str, Any]:
-    """PromptDataset keyword arguments from a ``TrainConfig`` (dataset + recipe fields)."""
+    """PromptDataset keyword arguments from a ``TrainConfig`` (dataset + recipe fields). With an image column in
+    ``multimodal_keys``, ``image_key`` names it and ``image_processor`` is the model path its processor loads
+    from (``hf_checkpoint``, which the driver has resolved to a local directory by the time the data loads)."""
+    from raygym.vision.dataset import image_column
+
     ds, recipe = cfg.dataset, cfg.recipe
+    image_key = image_column(recipe.multimodal_keys)
     return {
+        "image_key": image_key,
+        "image_processor": cfg.model.hf_checkpoint if image_key else None,
         "input_key": ds.input_key,
         "label_key": ds.label_key,
         "metadata_key": ds.metadata_key,

@@ -174,6 +174,9 @@ class GenerateRequest(_Body):
     stream: bool = False
     lora_path: str | list[str | None] | None = None  # the LoRA adapter to generate with, by its loaded name
     return_routed_experts: bool | list[bool] | None = None  # MoE: meta_info.routed_experts (raygym/routed_experts.py)
+    # SGLang's: one prompt's images (a list, or one), or a batch's (a list per prompt); each a path, URL,
+    # base64 or data URL (raygym sends PNG data URLs: raygym/vision/images.py)
+    image_data: str | list[str] | list[list[str]] | None = None
 
 
 class PauseGeneration(_Body):

@@ -174,6 +174,13 @@ def long_tail_reward(response: str, label: Any) -> float:
     return reward(response, str(label))
 
 
+def count_shapes_reward(response: str, label: Any) -> float:
+    """The builtin ``count-shapes`` visual task's reward (see :mod:`raygym.builtin.count_shapes`)."""
+    from raygym.builtin.count_shapes import count_shapes_reward as reward
+
+    return reward(response, str(label))
+
+
 def reasoning_gym_reward(response: str, label: Any, metadata: Any = None) -> float:
     """A ``reasoning-gym`` task's own scorer (see :mod:`raygym.envs.reasoning_gym_tasks`)."""
     from raygym.envs.reasoning_gym_tasks import reasoning_gym_reward as reward
@@ -213,6 +220,7 @@ BUILTIN_REWARDS: dict[str, Callable[..., float]] = {
     "exact": exact_reward,
     "next_digit": next_digit_reward,
     "long_tail": long_tail_reward,
+    "count_shapes": count_shapes_reward,
     "reasoning_gym": reasoning_gym_reward,
 }
 METADATA_REWARDS = frozenset({"reasoning_gym"})  # built-ins that also read the row's metadata

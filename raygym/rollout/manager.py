@@ -71,6 +71,7 @@ from raygym.rollout.responses import (
     continuation_budget,
     continuation_params,
     derive_sampling_seed,
+    image_fields,
     token_versions,
     weight_version_of,
 )
@@ -322,8 +323,9 @@ class RolloutManager:
         return params
 
     async def _send(self, input_ids: list[int], sampling_params: dict[str, Any],
-                    trace: dict[str, Any] | None = None) -> tuple[int, GenerateResponse]:
-        request = GenerateRequest(input_ids=list(input_ids), sampling_params=dict(sampling_params), return_logprob=True)
+                    trace: dict[str, Any] | None = None, images: list[str] | None = None) -> tuple[int, GenerateResponse]:
+        request = GenerateRequest(input_ids=list(input_ids), sampling_params=dict(sampling_params), return_logprob=True,
+                                  **({"image_data": list(images)} if images else {}))
         engine, answer = await self.pool.request(request, trace)
         if isinstance(answer, list):
             raise RaygymError(f"{self.pool.engine_name(engine)} answered one prompt with {len(answer)} outputs")
@@ -364,7 +366,7 @@ class RolloutManager:
             self.continued += len(todo)
             request = GenerateRequest(input_ids=[list(s.prompt_tokens) + list(s.response_tokens) for s, _ in todo],
                                       sampling_params=[continuation_params(s, p, segment) for s, p in todo],
-                                      return_logprob=True)
+                                      return_logprob=True, **image_fields([s for s, _ in todo]))
             engine, answer = await self.pool.request(request, None, keep_aborted=True)
             responses = answer if isinstance(answer, list) else [answer]
             for (sample, _), response in zip(todo, responses, strict=True):
@@ -381,7 +383,7 @@ class RolloutManager:
         self._trace_budget -= traced
         trace = {"queued": time.time()} if traced else None
         request = GenerateRequest(input_ids=[list(s.prompt_tokens) for s in samples], sampling_params=params,
-                                  return_logprob=True)
+                                  return_logprob=True, **image_fields(samples))
         engine, responses = await self.pool.request(request, trace, keep_aborted=self.continue_aborted)
         if not isinstance(responses, list) or len(responses) != len(samples):
             raise RaygymError(f"{self.pool.engine_name(engine)} answered a batch of {len(samples)} prompts with "
@@ -401,11 +403,11 @@ class RolloutManager:
             self._trace_budget -= 1
             trace = {"queued": time.time()}
         if self._custom_generate is None:
-            engine, response = await self._send(sample.prompt_tokens, params, trace)
+            engine, response = await self._send(sample.prompt_tokens, params, trace, sample.images)
             self._fill(sample, response, engine)
         else:
             async def generate(input_ids: list[int], sampling_params: dict[str, Any]) -> GenerateResponse:
-                return (await self._send(input_ids, sampling_params, trace))[1]
+                return (await self._send(input_ids, sampling_params, trace, sample.images))[1]
 
             result = await _maybe_await(self._custom_generate(self.cfg, sample, dict(params), generate))
             if not isinstance(result, Sample):
@@ -461,7 +463,7 @@ class RolloutManager:
         return [
             Sample(prompt=row.prompt, prompt_tokens=list(row.prompt_tokens), group_index=-1, sample_index=j,
                    data_index=row.data_index, label=row.label, metadata=dict(row.metadata),
-                   weight_version=self.weight_version, columns=dict(row.columns))
+                   weight_version=self.weight_version, columns=dict(row.columns), images=list(row.images))
             for j in range(n)
         ]
 

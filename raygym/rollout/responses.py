@@ -12,6 +12,20 @@ from raygym.types import Sample
 MAX_CONTINUATIONS = 8  # continuations of one aborted response before it is given up (status "aborted")
 
 
+def image_fields(samples: list[Sample]) -> dict[str, Any]:
+    """``/generate`` fields that carry these samples' images (SGLang's ``image_data``, one list per prompt of a
+    batched request); none when no sample has an image.
+
+    >>> image_fields([Sample(prompt="", prompt_tokens=[1], group_index=0)])
+    {}
+    >>> image_fields([Sample(prompt="", prompt_tokens=[1], group_index=0, images=["data:image/png;base64,AA=="])])
+    {'image_data': [['data:image/png;base64,AA==']]}
+    """
+    if not any(s.images for s in samples):
+        return {}
+    return {"image_data": [list(s.images) for s in samples]}
+
+
 def derive_sampling_seed(seed: int, *key: Any) -> int:
     """A per-request ``sampling_seed`` from the run seed and the request's place in the run.
 

@@ -198,9 +198,8 @@ def _train_auto_split(cfg: TrainConfig) -> TrainResult:
     """The probe leg, the choice, and the rest of the run from the probe's checkpoint."""
     import torch
 
-    from raygym.run.auto_split import apply_split, choose_for_run
-
     from raygym.checkpoint.store import latest_checkpoint
+    from raygym.run.auto_split import apply_split, choose_for_run
 
     recipe, console = cfg.recipe, _console()
     start = recipe.start_rollout_id or 0

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from raygym.data.check import DataSummary, check_prompt_data, is_local
 from raygym.errors import ConfigError
+from raygym.run.vision_checks import check_vision_model, check_vision_run
 
 if TYPE_CHECKING:
     from raygym.config import TrainConfig
@@ -35,18 +36,27 @@ class RunFacts:
 
 def _check_dataset(url: str, cfg: TrainConfig, field_name: str) -> DataSummary:
     from raygym.builtin import BUILTIN_TASKS, EVAL_ROWS, NEXT_DIGIT_ROWS, is_builtin, split_task, unknown_task
+    from raygym.vision.dataset import image_column
 
+    ds = cfg.dataset
+    image_key = image_column(cfg.recipe.multimodal_keys)
     if is_builtin(url):
         task, held_out = split_task(url)
         if task not in BUILTIN_TASKS:
             raise unknown_task(url, field_name)
+        if image_key:  # the rows and their images, as the rollout will load them
+            from raygym.data.prompts import resolve_data_url
+
+            summary = check_prompt_data(resolve_data_url(url), input_key=ds.input_key, label_key=ds.label_key,
+                                        fmt="jsonl", apply_chat_template=ds.apply_chat_template, field=field_name,
+                                        image_key=image_key)
+            return DataSummary(url, summary.rows, True, summary.columns)
         return DataSummary(url, EVAL_ROWS if held_out else NEXT_DIGIT_ROWS, True, ("prompt", "label"))
     generated = _check_generated_dataset(url, cfg, field_name)
     if generated is not None:
         return generated
-    ds = cfg.dataset
     return check_prompt_data(url, input_key=ds.input_key, label_key=ds.label_key, fmt=ds.format,
-                             apply_chat_template=ds.apply_chat_template, field=field_name)
+                             apply_chat_template=ds.apply_chat_template, field=field_name, image_key=image_key)
 
 
 def _check_generated_dataset(url: str, cfg: TrainConfig, field_name: str) -> DataSummary | None:
@@ -134,7 +144,10 @@ def check_rewards(cfg: TrainConfig, data: DataSummary) -> list[Any]:
     local_file = is_local(prompt_data) and os.path.isfile(prompt_data.removeprefix("file://"))
     if any(f.name == "reasoning_gym" for f in functions) and local_file:
         check_rows_scorable(prompt_data)
-    columns = [c for c in data.columns if c != cfg.dataset.input_key]
+    from raygym.vision.dataset import image_column
+
+    images = image_column(recipe.multimodal_keys)  # the rows' images travel apart from their columns
+    columns = [c for c in data.columns if c not in (cfg.dataset.input_key, images)]
     for f in functions:
         missing = missing_inputs(f.fn, f.convention, columns)
         if missing:
@@ -177,6 +190,7 @@ def preflight(cfg: TrainConfig) -> RunFacts:
     rewards, model path, then the run and checkpoint directories (created here, as the run would)."""
     from raygym.data.prompts import eval_dataset_urls
 
+    check_vision_model(cfg.recipe.multimodal_keys, cfg.model.hf_checkpoint)  # images need a vision checkpoint
     data = _check_dataset(cfg.dataset.prompt_data, cfg, "prompt_data")
     evals = {name: _check_dataset(url, cfg, f"eval_prompt_data[{name!r}]")
              for name, url in eval_dataset_urls(cfg).items()}
@@ -184,6 +198,7 @@ def preflight(cfg: TrainConfig) -> RunFacts:
     if cfg.recipe.rollout_env is not None:
         check_rollout_env(cfg)
     check_model_path(cfg.model.hf_checkpoint)
+    check_vision_run(cfg)
     check_writable(cfg.run_dir, "output_dir", "pass --output-dir with a directory you can write")
     if cfg.recipe.save:
         check_writable(cfg.checkpoint_dir, "save",

@@ -57,6 +57,9 @@ class TrainBatch:
     # MoE routing replay: per sample the experts the engine routed each forwarded token to, flattened
     # [tokens - 1, layers * top_k] rows as 1-D int16 (raygym/routed_experts.py); empty for a sample without them
     routed_experts: list[torch.Tensor] | None = None
+    # vision-language samples: each sample's images as PNG data URLs (raygym/vision/images.py), [] for a text
+    # sample; None when no sample has one
+    images: list[list[str]] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -89,6 +92,7 @@ class TrainBatch:
         if any(s.routed_experts is not None for s in samples):
             routed = [torch.empty(0, dtype=torch.int16) if s.routed_experts is None
                       else torch.tensor(s.routed_experts.reshape(-1), dtype=torch.int16) for s in samples]
+        images = [list(s.images) for s in samples] if any(s.images for s in samples) else None
         return cls(
             tokens,
             plens,
@@ -98,6 +102,7 @@ class TrainBatch:
             group_size,
             rollout_log_probs=rollout if has_rollout else None,
             routed_experts=routed,
+            images=images,
         )
 
     def total_lengths(self) -> list[int]:

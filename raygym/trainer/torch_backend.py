@@ -67,6 +67,9 @@ from raygym.trainer.decisions import (
 from raygym.trainer.optim import LrSchedule, build_optimizer, split_frozen
 from raygym.trainer.routing_replay import HFRoutingReplay
 from raygym.trainer.torch_weights import TorchWeights
+from raygym.trainer.vision_inputs import VisionInputs
+from raygym.vision.model_inputs import embed_with_images
+from raygym.vision.qwen_vl import auto_model_class, is_vision_checkpoint
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -116,6 +119,7 @@ class TorchBackend(TorchWeights, TrainerBackend):
         self._mismatch = MismatchTally()  # engine vs own log-probs, tallied by a single-pass train_step
         self.loss_config = settings.loss
         self.lora = LoraSpec.from_recipe(settings) if self.ROLE == "actor" else None
+        self.vision: VisionInputs | None = None  # a vision-language checkpoint's image inputs (set by init)
         self.lora_targets: list[str] = []  # module paths that carry adapters
         self.reference_is_base = False  # the KL reference is this model with its adapters off
         if settings.hidden_dropout > 0.0:
@@ -141,6 +145,7 @@ class TorchBackend(TorchWeights, TrainerBackend):
             )
         torch.manual_seed(s.seed)
         self.model_path = resolve_model_path(s.hf_checkpoint)
+        self.vision = VisionInputs(self.model_path) if is_vision_checkpoint(self.model_path) else None
         self.model = self._build_model(self.model_path)
         check_declared_architecture(s, cast("PretrainedConfig", self.model.config).to_dict())
         if self.lora is not None:
@@ -219,10 +224,9 @@ class TorchBackend(TorchWeights, TrainerBackend):
         enable_activation_checkpointing(cast("PreTrainedModel", self.model))
 
     def _load_model(self, path: str, trainable: bool) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, config=self._hf_config(path), dtype=torch.float32,
-                                                     attn_implementation="sdpa")
+        config = self._hf_config(path)
+        model = auto_model_class(config).from_pretrained(path, config=config, dtype=torch.float32,
+                                                         attn_implementation="sdpa")
         model.config.use_cache = False
         model.to(self.device)  # type: ignore[arg-type]  # transformers' decorator types `to` as unbound
         if not trainable:
@@ -253,10 +257,16 @@ class TorchBackend(TorchWeights, TrainerBackend):
 
     # ---- forward -------------------------------------------------------------------------------------
     def _forward(
-        self, model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self, model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+        **vision: Any,
     ) -> torch.Tensor:
-        """Per-position model output for ``ids`` ``[b, L]``: logits ``[b, L, V]`` (the critic: values ``[b, L]``)."""
+        """Per-position model output for ``ids`` ``[b, L]``: logits ``[b, L, V]`` (the critic: values ``[b, L]``).
+        ``vision``: a VLM's images and M-RoPE positions (:class:`raygym.trainer.vision_inputs.VisionInputs`)."""
         with self._autocast():
+            if vision:
+                embeds = embed_with_images(model, ids, vision.pop("image_mask"), vision.pop("pixel_values"),
+                                           vision.pop("image_grid_thw"))
+                return model(inputs_embeds=embeds, attention_mask=attention_mask, use_cache=False, **vision).logits
             return model(input_ids=ids, attention_mask=attention_mask, use_cache=False).logits
 
     def _padded_inputs(self, mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +292,9 @@ class TorchBackend(TorchWeights, TrainerBackend):
         """Padded ``[b, R]`` log-probs of each sample's response tokens (and entropies) at temperature."""
         ids, attn = self._padded_inputs(mb)
         self.replay.use(mb.routed_experts, mb.total_lengths(), ids.shape[1])  # kept for recomputation in backward
-        logits = self._forward(model, ids, attn)
+        vision = (self.vision.forward_kwargs(mb.tokens, mb.prompt_lengths, mb.images, ids.shape[1], self.device)
+                  if self.vision is not None and mb.images is not None else {})
+        logits = self._forward(model, ids, attn, **vision)
         rows, pos = self._response_positions(mb, ids.shape[1])
         sel = logits[rows, pos].float() / self.settings.rollout_temperature
         targets = ids[rows, pos + 1]

@@ -25,6 +25,7 @@ REFUSED = {"Recipe": UNSUPPORTED_RECIPE_FIELDS, "ModelConfig": UNSUPPORTED_MODEL
 # model -> field -> a module that reads it (one of possibly several)
 READ_BY = {
     "Recipe": {
+        "multimodal_keys": "raygym/data/prompts.py",
         "actor_num_nodes": "raygym/config/recipe_fields.py",
         "actor_num_gpus_per_node": "raygym/config/recipe_fields.py",
         "colocate": "raygym/run/loop.py",

@@ -7,13 +7,19 @@ Streaming: every request of a ``stream: true`` call tells the HTTP loop when its
 the sample so far: cumulative tokens, log-probs and text (without an end that may still turn into a stop
 string), ``finish_reason`` null until the last update, which is the whole answer. A client that goes away
 cancels its requests within a decode step.
+
+Images: SGLang's ``image_data`` (one prompt's images, or a list per prompt of a batch) go to a vision-language
+model with prompts whose image pads are already expanded; they are decoded and processed once per prompt
+(:meth:`GenerationEngine.prepare_images`), and a request that cannot be served (images for a text-only model,
+an unreadable image, a pad count that does not match) is answered 400 before anything is queued.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +35,7 @@ from raygym.engines.raygym_server.generation import (
 )
 from raygym.engines.raygym_server.routing_capture import answer_routes
 from raygym.engines.raygym_server.sampling import SamplingParams
+from raygym.engines.raygym_server.vision_inputs import ImageInputs
 from raygym.engines.serving.generate_route import (
     GenerateCall,
     GenerateError,
@@ -87,6 +94,32 @@ def _parse_params(raw: dict[str, Any]) -> tuple[SamplingParams, int]:
     return params, params.n
 
 
+def images_per_prompt(image_data: str | list[Any] | None, prompts: int, single: bool) -> list[list[str]]:
+    """SGLang's ``image_data`` as one list of images per prompt: for one prompt (sent as one) an image or a
+    list of them; for a batch a list with one entry per prompt, each an image, a list of images or ``[]``.
+
+    >>> images_per_prompt("a", 1, True), images_per_prompt(["a", "b"], 1, True), images_per_prompt(None, 2, False)
+    ([['a']], [['a', 'b']], [[], []])
+    >>> images_per_prompt(["a", ["b", "c"], []], 3, False)
+    [['a'], ['b', 'c'], []]
+    """
+    if image_data is None:
+        return [[] for _ in range(prompts)]
+    if single:
+        if isinstance(image_data, str):
+            return [[image_data]]
+        if len(image_data) == 1 and isinstance(image_data[0], list):  # a batch of one, written as a batch
+            image_data = image_data[0]
+        if all(isinstance(i, str) for i in image_data):
+            return [list(image_data)]
+        raise GenerateError("image_data: one prompt takes an image (a string) or a list of images")
+    if not isinstance(image_data, list) or len(image_data) != prompts:
+        count = len(image_data) if isinstance(image_data, list) else "one image"
+        raise GenerateError(f"image_data: {count} for {prompts} prompts; a batch takes a list with one entry per "
+                            "prompt (an image, a list of images, or [] for none)")
+    return [[entry] if isinstance(entry, str) else list(entry) for entry in image_data]
+
+
 class GenerateRoute:
     """``/generate`` of one :class:`GenerationEngine` (``weight_version()``: the label answers carry)."""
 
@@ -100,19 +133,24 @@ class GenerateRoute:
         req = await parse(request, GenerateRequest)
         encode = self.tokenizer.encode if self.tokenizer is not None else None
         try:
-            call = read_generate(req, vocab_size=self.engine.model.config.vocab_size, encode=encode,
-                                 parse_params=_parse_params)
+            call = read_generate(req, vocab_size=self.engine.vocab_size, encode=encode, parse_params=_parse_params)
+            firsts = [job for job in call.jobs if job.sample == 0]  # one per prompt, in order
+            image_lists = images_per_prompt(req.image_data, len(firsts), call.single)
         except GenerateError as exc:
             raise BadRequest(str(exc)) from None
         self.check_lora(req.lora_path)
         if any(job.routed_experts for job in call.jobs) and self.engine.routing is None:
             raise BadRequest(f"return_routed_experts: start the server with {SERVER_FLAG} (a MoE model) to get them")
         self._admit(call)
+        images = await self._prepare_images([job.prompt for job in firsts], image_lists)
+        # each job's prompt: a prompt's samples are consecutive, its first (sample 0) leading
+        prompt_of = [count - 1 for count in itertools.accumulate(job.sample == 0 for job in call.jobs)]
         loop = asyncio.get_running_loop()
         wakeups = [Wakeup(loop) for _ in call.jobs]
         requests = [GenerationRequest(rid=job.rid, input_ids=job.prompt, params=job.params, on_done=wake,
-                                      on_token=wake if call.stream else None, return_routed_experts=job.routed_experts)
-                    for job, wake in zip(call.jobs, wakeups, strict=True)]
+                                      on_token=wake if call.stream else None, return_routed_experts=job.routed_experts,
+                                      images=images[prompt])
+                    for job, wake, prompt in zip(call.jobs, wakeups, prompt_of, strict=True)]
         try:
             self.engine.submit_all(requests)
         except EngineBusy as exc:
@@ -122,6 +160,24 @@ class GenerateRoute:
         started = time.monotonic()
         return await respond(request, call, [self._updates(call, job, r, wake, started)
                                              for job, r, wake in zip(call.jobs, requests, wakeups, strict=True)])
+
+    async def _prepare_images(self, prompts: Sequence[list[int]], image_lists: list[list[str]]
+                              ) -> list[ImageInputs | None]:
+        """Each prompt's images, decoded and processed off the HTTP loop (400 naming the prompt when one cannot
+        be served). Text prompts of a text-only model cost nothing here."""
+        if self.engine.vision is None and not any(image_lists):
+            return [None] * len(prompts)
+
+        def prepare() -> list[ImageInputs | None]:
+            out: list[ImageInputs | None] = []
+            for i, (ids, refs) in enumerate(zip(prompts, image_lists, strict=True)):
+                try:
+                    out.append(self.engine.prepare_images(ids, refs))
+                except ValueError as exc:
+                    raise BadRequest(f"prompt {i}: {exc}" if len(prompts) > 1 else str(exc)) from None
+            return out
+
+        return await asyncio.to_thread(prepare)
 
     def _admit(self, call: GenerateCall[SamplingParams]) -> None:
         """Refuse, before anything is queued, what cannot be served: too many samples, prompts that do not
@@ -185,7 +241,7 @@ class GenerateRoute:
             extra[routed_experts.META_KEY] = routed_experts.encode(answer_routes(r).numpy())
         prompt_logprobs = None
         if job.logprob and job.logprob_start >= 0:
-            prompt_logprobs = [None, *(await asyncio.to_thread(self.engine.score, r.input_ids))]
+            prompt_logprobs = [None, *(await asyncio.to_thread(self.engine.score, r.input_ids, r.images))]
         return sample_answer(
             job, text=self._text(r), output_ids=r.output_ids,
             finish=r.finish_reason or {"type": "abort", "message": "unfinished"}, weight_version=self.weight_version(),

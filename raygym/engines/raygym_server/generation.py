@@ -8,6 +8,9 @@ its own sampling parameters and stop conditions; finished rows leave the batch (
 rows are dropped); requests that arrive meanwhile are prefilled and join the running batch
 between decode steps (continuous batching). Abort and pause are checked between decode steps.
 
+A vision-language model also takes images (:meth:`GenerationEngine.prepare_images`); each row keeps its own
+M-RoPE delta through decoding and batching (:mod:`raygym.engines.raygym_server.vision_inputs`).
+
 Sampling and its log-probs are :mod:`raygym.engines.raygym_server.sampling`'s; the KV cache :mod:`raygym.engines.raygym_server.kv_cache`'s.
 
 >>> from raygym.builtin import build_tiny_model
@@ -48,6 +51,17 @@ from raygym.engines.raygym_server.generation_request import (
 )
 from raygym.engines.raygym_server.kv_cache import _left_pad, _mergeable, fill_order, new_kv_cache
 from raygym.engines.raygym_server.sampling import SamplingParams, sample_next_tokens
+from raygym.engines.raygym_server.vision_inputs import (
+    ImageInputs,
+    ImageRef,
+    Prefill,
+    VisionSupport,
+    build_prefill,
+    model_name,
+    prepare_images,
+    score_inputs,
+)
+from raygym.vision.model_inputs import embed_with_images
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -61,7 +75,8 @@ class GenerationEngine:
     Thread model: one worker thread runs every forward pass while holding ``model_lock``;
     :meth:`exclusive` lets another thread (weight updates, memory moves) take the model between
     decode steps. ``batch_wait_s`` is how long the worker lingers after the first queued request
-    so that concurrent arrivals share a batch.
+    so that concurrent arrivals share a batch. ``image_processor``: a vision-language model's (the
+    checkpoint's ``AutoImageProcessor``), needed for requests with images.
     """
 
     def __init__(
@@ -76,8 +91,10 @@ class GenerationEngine:
         pad_token_id: int = 0,
         max_queued_requests: int = 4096,
         compute_threads: int | None = None,
+        image_processor: Any = None,
     ) -> None:
         self.model = model.eval()
+        self.vision = VisionSupport.from_model(model, image_processor)  # None: a text-only model
         # CPU: torch threads of the worker thread, claimed by it alone (raygym/cluster/cpu_threads.py); None: the
         # process's setting
         self.compute_threads = compute_threads
@@ -87,7 +104,9 @@ class GenerationEngine:
         self.max_running_requests = max_running_requests
         self.batch_wait_s = batch_wait_s
         self.pad_token_id = pad_token_id
-        self.max_positions = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        text_config = model.config.get_text_config()  # a vision-language model's language model
+        self.vocab_size = int(text_config.vocab_size)
+        self.max_positions = int(getattr(text_config, "max_position_embeddings", 1 << 30))
         # transformers >= 5.2x renamed ``past_key_values`` to ``cache``; accept both.
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -240,15 +259,21 @@ class GenerationEngine:
                 self._holds -= 1
                 self._cond.notify_all()
 
-    def score(self, input_ids: list[int]) -> list[float]:
+    def prepare_images(self, input_ids: Sequence[int], images: Sequence[ImageRef]) -> ImageInputs | None:
+        """The ``images`` of a request whose (expanded) prompt is ``input_ids`` (None without images);
+        ValueError saying what is wrong (:func:`~raygym.engines.raygym_server.vision_inputs.prepare_images`)."""
+        return prepare_images(self.vision, model_name(self.model), input_ids, images)
+
+    def score(self, input_ids: list[int], images: ImageInputs | None = None) -> list[float]:
         """``log_softmax(logits)`` of each token of ``input_ids`` given the ones before it (from the second
-        token on; raw logits, as SGLang's ``input_token_logprobs``). Runs between decode steps."""
+        token on; raw logits, as SGLang's ``input_token_logprobs``), with the prompt's ``images``. Runs between
+        decode steps."""
         if len(input_ids) < 2:
             return []
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        inputs = score_inputs(input_ids, images, self.device)
         with self.model_lock, torch.inference_mode():
-            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-        return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+            logits = self.model(**inputs, use_cache=False).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, inputs["input_ids"][0, 1:, None]).squeeze(-1).tolist()
 
     def set_released(self, released: bool) -> None:
         with self._cond:
@@ -368,12 +393,12 @@ class GenerationEngine:
         positions, cache)."""
         cache = new_kv_cache()
         try:
-            input_ids, mask, positions = self._prefill_inputs(rows)
+            p = self._prefill_inputs(rows)
             with self.model_lock, torch.inference_mode():
                 self._forward_label = self.weight_label()
-                logits = self._forward(input_ids, mask, positions, cache)
-                routing_capture.record(self.routing, rows, input_ids.shape[1], prefill=True)
-                return rows, logits, mask, positions, cache
+                logits = self._forward(p.input_ids, p.mask, p.positions, cache, p.model_kwargs)
+                routing_capture.record(self.routing, rows, p.input_ids.shape[1], prefill=True)
+                return rows, logits, p.mask, p.positions, cache
         except Exception as exc:
             if len(rows) == 1:
                 self._finish(rows[0], {"type": "abort", "message": f"prefill failed: {type(exc).__name__}: {exc}"})
@@ -386,9 +411,9 @@ class GenerationEngine:
 
     def _prefills_alone(self, r: GenerationRequest) -> bool:
         try:
-            ids, mask, positions = self._prefill_inputs([r])
+            p = self._prefill_inputs([r])
             with self.model_lock, torch.inference_mode():
-                self._forward(ids, mask, positions, new_kv_cache())
+                self._forward(p.input_ids, p.mask, p.positions, new_kv_cache(), p.model_kwargs)
             return True
         except Exception as exc:
             self._finish(r, {"type": "abort", "message": f"prefill failed: {type(exc).__name__}: {exc}"})
@@ -408,25 +433,17 @@ class GenerationEngine:
             self._running = []
             self._cond.notify_all()
 
-    def _prefill_inputs(
-        self, rows: list[GenerationRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Left-padded ids, attention mask and position ids [B, T] for prompt + tokens so far."""
-        seqs = [r.input_ids + r.output_ids for r in rows]
-        width = max(len(s) for s in seqs)
-        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            input_ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s) :] = 1
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-        return input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+    def _prefill_inputs(self, rows: list[GenerationRequest]) -> Prefill:
+        """Left-padded ids, attention mask and position ids [B, T] for prompt + tokens so far (and the rows'
+        images: :func:`~raygym.engines.raygym_server.vision_inputs.build_prefill`)."""
+        return build_prefill([r.input_ids + r.output_ids for r in rows], [r.images for r in rows],
+                             pad_token_id=self.pad_token_id, device=self.device)
 
     def _join_waiting(self, rows, logits, mask, positions, cache, label):
         """Continuous batching: prefill queued requests and merge them into the running batch.
 
         The two KV caches are left-padded to the same length (padding masked out) and stacked
-        along the batch; per-row position ids make the padding invisible to the model. Returns None
+        along the batch; per-row position ids (with each row's M-RoPE delta) make the padding invisible to the model. Returns None
         when the weights changed between the batch's last forward pass and the newcomers' prefill:
         both went back to the queue to be re-prefilled together.
         """
@@ -459,14 +476,20 @@ class GenerationEngine:
         positions = torch.cat([positions[:, -1:], pos2[:, -1:]])
         return rows + new, torch.cat([logits, logits2]), mask, positions
 
-    def _forward(self, input_ids, mask, positions, cache) -> torch.Tensor:
+    def _forward(self, input_ids, mask, positions, cache, model_kwargs: dict[str, Any] | None = None) -> torch.Tensor:
+        """The last position's logits; ``model_kwargs``: a prefill's images and 3-D M-RoPE positions."""
+        extra = dict(model_kwargs or {})
+        if "pixel_values" in extra:  # images go in as embeddings: generated pads stay text (vision_inputs)
+            input_ids, extra["inputs_embeds"] = None, embed_with_images(
+                self.model, input_ids, extra.pop("image_mask"), extra.pop("pixel_values"), extra.pop("image_grid_thw"))
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask,
-            position_ids=positions,
+            position_ids=extra.pop("position_ids", positions),
             use_cache=True,
             logits_to_keep=1,
             **{self._cache_kwarg: cache},
+            **extra,
         )
         return out.logits[:, -1, :].float()
 

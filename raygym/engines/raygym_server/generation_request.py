@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from raygym.engines.raygym_server.sampling import SamplingParams
+from raygym.engines.raygym_server.vision_inputs import ImageInputs
 
 
 def release_host_memory() -> None:
@@ -53,6 +54,7 @@ class GenerationRequest:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)  # the weight version that produced each token
+    images: ImageInputs | None = None  # a vision-language model's prompt images (GenerationEngine.prepare_images)
     return_routed_experts: bool = False  # keep the experts its MoE routers chose (raygym/engines/raygym_server/routing_capture.py)
     routed_experts: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, top_k] chunks, in order
     finish_reason: dict[str, Any] | None = None

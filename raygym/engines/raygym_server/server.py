@@ -49,7 +49,7 @@ from raygym.engines.raygym_server.generation import (
 )
 from raygym.engines.raygym_server.lora import LoraRoutes
 from raygym.engines.raygym_server.routing_capture import RoutingCapture
-from raygym.engines.raygym_server.weights import WeightRoutes
+from raygym.engines.raygym_server.weights import ServerWeightReceiver, WeightRoutes
 from raygym.engines.serving.http import (
     guard_middleware,
     handles_errors,
@@ -58,7 +58,6 @@ from raygym.engines.serving.http import (
     register_routes,
     server_info_body,
 )
-from raygym.engines.serving.weight_receiver import WeightReceiver
 from raygym.lora import ADAPTER_NAME
 from raygym.routed_experts import SERVER_FLAG
 from raygym.weightsync.codec import checksum as tensor_checksum
@@ -118,25 +117,44 @@ def resolve_dtype(dtype: str, config_dtype: torch.dtype | None, device: torch.de
 
 
 def load_model(model_path: str, device: torch.device, dtype: str) -> tuple[PreTrainedModel, Any, str]:
-    """Load a HF causal LM and its tokenizer (None when the checkpoint has none).
+    """Load a HF causal LM, or a vision-language model (a config with ``vision_config``: transformers'
+    ``AutoModelForImageTextToText``, e.g. ``Qwen2_5_VLForConditionalGeneration``), and its tokenizer (None when
+    the checkpoint has none), in the same dtype policy.
 
     ``builtin:`` URIs (``raygym.builtin``) are materialised into a temp dir first.
     Returns (model, tokenizer, local path).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from raygym.builtin import is_builtin, materialize_model
+    from raygym.vision.qwen_vl import auto_model_class
 
     if is_builtin(model_path):
         model_path = materialize_model(model_path, tempfile.mkdtemp(prefix="raygym-model-"))
-    config_dtype = checkpoint_dtype(AutoConfig.from_pretrained(model_path).to_dict())
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=resolve_dtype(dtype, config_dtype, device))
+    config = AutoConfig.from_pretrained(model_path)
+    config_dtype = checkpoint_dtype(config.to_dict())
+    auto = auto_model_class(config)
+    model = auto.from_pretrained(model_path, dtype=resolve_dtype(dtype, config_dtype, device))
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' decorator types `to` as unbound
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     except (OSError, ValueError):
         tokenizer = None
     return model, tokenizer, model_path
+
+
+def load_image_processor(model: torch.nn.Module, model_path: str) -> Any:
+    """A vision-language model's image processor (``AutoImageProcessor`` of its checkpoint); None for a text-only
+    model, or, with a warning, for a checkpoint without one (its requests with images are then refused)."""
+    if getattr(model.config, "vision_config", None) is None:
+        return None
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        log.warning("%s: no image processor (%s); requests with images will be refused", model_path, exc)
+        return None
 
 
 def eos_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
@@ -180,7 +198,7 @@ class InferenceServer:
         self.released: set[str] = set()
         self._device = engine.device
         local_model_dir = model_path if "://" not in model_path and not model_path.startswith("builtin:") else ""
-        receiver = WeightReceiver(
+        receiver = ServerWeightReceiver(
             engine.model, device=engine.device, weight_version=str(weight_version), custom_loaders=custom_loaders,
             timeout_s=weight_update_timeout_s, exclusive=lambda: engine.exclusive(wait_idle=not engine.paused),
             reading=lambda: engine.model_lock, sources=WeightSources([*weight_sources, local_model_dir]),
@@ -248,7 +266,7 @@ class InferenceServer:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.weight_version,
-            "has_image_understanding": False,
+            "has_image_understanding": self.engine.vision is not None and self.engine.vision.unsupported is None,
             "has_audio_understanding": False,
             "model_type": config.model_type,
             "architectures": config.architectures,
@@ -459,6 +477,7 @@ async def serve(args: argparse.Namespace) -> None:
         pad_token_id=int(getattr(model.config, "pad_token_id", None) or 0),
         max_queued_requests=args.max_queued_requests,
         compute_threads=threads,
+        image_processor=load_image_processor(model, local_path),
     )
     if args.enable_return_routed_experts:
         engine.routing = RoutingCapture(model)

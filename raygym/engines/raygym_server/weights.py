@@ -9,6 +9,12 @@ two decode steps (or after the running batch when generation is not paused, as S
 Double-buffered updates (``/raygym/shadow_begin``, the usual update routes, ``/raygym/weights_checksum``
 with ``shadow: true``, ``/raygym/shadow_switch``) load into a shadow copy without taking the model, so
 generation goes on; the switch takes the model between two decode steps only for the swap.
+
+Names: the model's own ``state_dict()`` names (what a trainer holding the same HF class sends). A vision-language
+model's are not its checkpoint's (transformers renames on load: ``model.language_model.*`` and
+``model.visual.*`` in memory, ``model.*`` and ``visual.*`` in ``model.safetensors``); :class:`ServerWeightReceiver`
+takes both (:func:`checkpoint_aliases`), so ``/update_weights_from_disk`` of a saved checkpoint, a trainer's
+in-memory names, ``/get_weights_by_name`` and checksums by either name land on the same tensors.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from aiohttp import web
 from pydantic import ValidationError
 
@@ -31,7 +38,65 @@ from raygym.engines.serving.http import (
     register_routes,
     result_response,
 )
-from raygym.engines.serving.weight_receiver import WeightReceiver
+from raygym.engines.serving.weight_receiver import Loader, WeightReceiver
+
+# A vision-language model's in-memory prefixes and its checkpoint's (transformers' Qwen2-VL family renaming).
+CHECKPOINT_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def checkpoint_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Checkpoint name -> the model's own ``state_dict()`` name, for the names that differ: a vision-language
+    model's language-model and vision-tower weights (empty for other models, whose names are the checkpoint's).
+
+    >>> from raygym.builtin.tiny_vlm import build_tiny_vlm
+    >>> aliases = checkpoint_aliases(build_tiny_vlm(0)[0])
+    >>> aliases["model.layers.0.mlp.up_proj.weight"], aliases["visual.merger.ln_q.weight"]
+    ('model.language_model.layers.0.mlp.up_proj.weight', 'model.visual.merger.ln_q.weight')
+    """
+    if getattr(getattr(model, "config", None), "vision_config", None) is None:
+        return {}
+    aliases: dict[str, str] = {}
+    for name in model.state_dict():
+        for inner, outer in CHECKPOINT_PREFIXES:
+            if name.startswith(inner):
+                aliases[outer + name[len(inner):]] = name
+                break
+    return aliases
+
+
+class ServerWeightReceiver(WeightReceiver):
+    """:class:`WeightReceiver` that also takes the checkpoint's names of a model whose in-memory names differ
+    (:func:`checkpoint_aliases`): loaders see the model's own names. Buckets sent whole (``flattened_bucket``,
+    received in place) are applied by the model's own names only."""
+
+    def __init__(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(model, *args, **kwargs)
+        self.aliases = checkpoint_aliases(model)
+
+    def own_name(self, name: str) -> str:
+        """The model's ``state_dict()`` name of ``name`` (a checkpoint name, or already the model's)."""
+        return self.aliases.get(name, name)
+
+    def resolve_loader(self, load_format: str | None) -> Loader:
+        fn = super().resolve_loader(load_format)
+        if not self.aliases:
+            return fn
+
+        def renamed(model: torch.nn.Module, named_tensors: Any) -> Any:
+            return fn(model, ((self.own_name(name), tensor) for name, tensor in named_tensors))
+
+        return renamed
+
+    def weights_checksum(self, **body: Any) -> dict[str, Any]:
+        names = body.get("names")
+        if not self.aliases or not names:
+            return super().weights_checksum(**body)
+        answer = super().weights_checksum(**{**body, "names": [self.own_name(n) for n in names]})
+        sums = answer["checksums"]
+        return {**answer, "checksums": {n: sums[self.own_name(n)] for n in names}}
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        return super().get_weights_by_name(self.own_name(name), truncate_size)
 
 
 class WeightRoutes:

@@ -22,6 +22,12 @@ import string
 from pathlib import Path
 from typing import Any
 
+from raygym.builtin.chars import CHARS as CHARS
+from raygym.builtin.chars import CHAT_TEMPLATE as CHAT_TEMPLATE
+from raygym.builtin.chars import EOS as EOS
+from raygym.builtin.chars import PAD as PAD
+from raygym.builtin.chars import build_tokenizer as build_tokenizer
+
 BUILTIN_PREFIX = "builtin:"
 TINY_MODEL = "builtin:tiny-qwen3"
 TINY_MOE_MODEL = "builtin:tiny-qwen3-moe"
@@ -36,14 +42,8 @@ LONG_EVERY = 8
 SHORT_REPEATS = (1, 3)
 LONG_REPEATS = (32, 56)
 # The builtin datasets and the built-in reward (rm_type) that scores each.
-BUILTIN_TASKS = {NEXT_DIGIT_TASK: "next_digit", LONG_TAIL_TASK: "long_tail"}
-
-PAD, EOS = "<|pad|>", "<|eos|>"
-# One token per character; small so a random model can learn the task in minutes.
-CHARS = string.digits + string.ascii_lowercase + " +-*/=:?.,#\n"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-)
+COUNT_SHAPES_TASK = "builtin:count-shapes"  # a visual task (raygym/builtin/count_shapes.py)
+BUILTIN_TASKS = {NEXT_DIGIT_TASK: "next_digit", LONG_TAIL_TASK: "long_tail", COUNT_SHAPES_TASK: "count_shapes"}
 
 TINY_ARCH: dict[str, Any] = {
     "hidden_size": 64,
@@ -71,29 +71,12 @@ TINY_MOE_ARCH: dict[str, Any] = {
     "mlp_only_layers": [],
     "router_aux_loss_coef": 0.0,
 }
-BUILTIN_MODELS = {TINY_MODEL: "tiny-qwen3", TINY_MOE_MODEL: "tiny-qwen3-moe"}
+TINY_VLM_MODEL = "builtin:tiny-qwen2.5-vl"  # raygym/builtin/tiny_vlm.py
+BUILTIN_MODELS = {TINY_MODEL: "tiny-qwen3", TINY_MOE_MODEL: "tiny-qwen3-moe", TINY_VLM_MODEL: "tiny-qwen2.5-vl"}
 
 
 def is_builtin(uri: str | None) -> bool:
     return bool(uri) and str(uri).startswith(BUILTIN_PREFIX)
-
-
-def build_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast`` (pad=0, eos=1) built offline."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {PAD: 0, EOS: 1}
-    for ch in CHARS:
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=PAD, clean_up_tokenization_spaces=False
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 def build_tiny_model(seed: int = 0, uri: str = TINY_MODEL, **overrides: Any):
@@ -119,6 +102,12 @@ def materialize_model(uri: str, directory: str | os.PathLike, seed: int = 0, **o
 
         raise ConfigError(f"hf_checkpoint={uri!r}: unknown builtin model; the builtin models are "
                           f"{', '.join(map(repr, BUILTIN_MODELS))}")
+    if uri == TINY_VLM_MODEL:
+        from raygym.builtin.tiny_vlm import materialize_vlm
+
+        if overrides:
+            raise ValueError(f"{uri}: takes no architecture overrides (got {sorted(overrides)})")
+        return materialize_vlm(directory, seed)
     suffix = "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items())) if overrides else ""
     path = Path(directory) / f"{BUILTIN_MODELS[uri]}-seed{seed}{suffix}"  # one directory per architecture
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
@@ -210,7 +199,14 @@ def long_tail_reward(response: str, label: str) -> float:
     return 0.25 * min(digits, want) / want + 0.25 * min(run, want) / want + 0.5 * length_score
 
 
-TASK_ROWS = {NEXT_DIGIT_TASK: next_digit_rows, LONG_TAIL_TASK: long_tail_rows}
+def count_shapes_rows(n: int, seed: int) -> list[dict[str, Any]]:
+    """Rows of the ``count-shapes`` visual task (:mod:`raygym.builtin.count_shapes`)."""
+    from raygym.builtin.count_shapes import count_shapes_rows as rows
+
+    return rows(n, seed)
+
+
+TASK_ROWS = {NEXT_DIGIT_TASK: next_digit_rows, LONG_TAIL_TASK: long_tail_rows, COUNT_SHAPES_TASK: count_shapes_rows}
 
 
 def unknown_task(uri: str, field: str = "prompt_data") -> Exception:
