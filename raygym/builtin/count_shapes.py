@@ -5,14 +5,14 @@ size, place and bright colour; the prompt is the same for every row (``<image>co
 not look scores at chance (1 in 4 for the digit). The label is the count. With the tiny VLM's 2x2 patch
 merge each image token covers one quadrant, so the count is how many tokens show a square.
 
-The reward is shaped so that a random model gets signal: 0.25 for a digit first, 0.5 more for the right count,
-0.25 more for stopping right after it.
+The reward reads the response's first character: 1.0 for the count, 0.25 for another digit (so a random model
+gets signal), 0 otherwise; what follows it is ignored, so a run's pass@1 is its accuracy.
 
 >>> rows = count_shapes_rows(4, seed=0)
 >>> [r["label"] for r in rows], rows[0]["prompt"], rows[0]["images"][0][:22]
 (['4', '3', '4', '1'], '<|vision_start|><|image_pad|><|vision_end|>count:', 'data:image/png;base64,')
 >>> count_shapes_reward("4", "4"), count_shapes_reward("2", "4")
-(1.0, 0.5)
+(1.0, 0.25)
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def count_shapes_reward(response: str, label: str) -> float:
     """The count's reward (see the module docstring).
 
     >>> count_shapes_reward(" 3", "3"), count_shapes_reward("3x", "3"), count_shapes_reward("x", "3")
-    (1.0, 0.75, 0.0)
+    (1.0, 1.0, 0.0)
     """
     text = response.strip()
     if not text or not text[0].isdigit():
         return 0.0
-    return 0.25 + (0.5 if text[0] == label else 0.0) + (0.25 if len(text) == 1 else 0.0)
+    return 1.0 if text[0] == str(label).strip() else 0.25
