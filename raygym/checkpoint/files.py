@@ -28,6 +28,10 @@ HF_SIDE_FILES = (
     "tokenizer.model",
     "chat_template.jinja",
     "added_tokens.json",
+    # a vision-language model's image and processor settings (raygym/vision/qwen_vl.py)
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
 
 

@@ -7,6 +7,9 @@ checks the context length, expands ``n`` into rows (choice ``i`` of prompt ``p``
 OpenAI's order), gives each row its own ``sampling_seed`` when the request has a ``seed``, and builds the
 answers.
 
+Images (a vision-language checkpoint): chat messages may carry OpenAI ``image_url`` parts as data URLs;
+:mod:`raygym.serve.images` decodes them, widens their pad tokens and the request carries ``image_data``.
+
 Streaming (``stream=true``): the engine streams the generation (``/generate`` with ``stream: true``) and
 :class:`OpenAIStream` turns each update into OpenAI chunks as it arrives, so the first tokens
 reach the client while the rest are generated. The first update is awaited before the answer starts, so
@@ -15,13 +18,14 @@ request errors (the engine's too) keep their HTTP status.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 from raygym.serve.protocol import (
@@ -42,6 +46,9 @@ from raygym.serve.protocol import (
     TokenLogprob,
     Usage,
 )
+
+if TYPE_CHECKING:
+    from raygym.serve.images import ChatImages
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -123,15 +130,19 @@ class OpenAIFront:
         context_len: prompt + generated tokens the model takes (None = not checked).
         default_max_tokens: chat completions without ``max_tokens`` generate at most this many (and never
             past the context).
+        images: how chat images become prompt tokens and ``image_data`` (a vision-language model's,
+            :class:`raygym.serve.images.ChatImages`); None: a text-only model, which refuses images.
     """
 
     def __init__(self, tokenizer: Any, engine: Engine, model_name: str,
-                 *, context_len: int | None = None, default_max_tokens: int = 256) -> None:
+                 *, context_len: int | None = None, default_max_tokens: int = 256,
+                 images: ChatImages | None = None) -> None:
         self.tokenizer = tokenizer
         self.engine = engine
         self.model_name = model_name
         self.context_len = context_len
         self.default_max_tokens = default_max_tokens
+        self.images = images
         self.created = int(time.time())
 
     # ── models ──────────────────────────────────────────────────────────────────────────────────
@@ -159,12 +170,37 @@ class OpenAIFront:
         return list(prompt)
 
     def chat_prompt(self, request: ChatCompletionRequest) -> str:
+        self._check_chat_template()
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in request.messages]
+        return self.render_chat(messages)
+
+    def _check_chat_template(self) -> None:
         if not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIError(400, f"the model `{self.model_name}` has no chat template; use /v1/completions",
                               param="messages")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in request.messages]
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    async def chat_input(self, request: ChatCompletionRequest) -> tuple[list[int], list[str]]:
+        """The prompt tokens of a chat request and its images (PNG data URLs; none for text). With images, the
+        pads are widened for the model's image processor (:mod:`raygym.serve.images`, off the event loop)."""
+        if not request.has_images():
+            return self.encode(self.chat_prompt(request)), []
+        self.check_model(request.model)
+        if self.images is None:
+            raise OpenAIError(400, f"the model `{self.model_name}` is a text-only model and takes no images; send "
+                              "messages without image_url parts, or serve a vision-language checkpoint",
+                              param="messages", code="images_not_supported")
+        self._check_chat_template()
+        from raygym.serve.images import ImageRefused
+
+        try:
+            built = await asyncio.to_thread(self.images.build, request.messages, self.render_chat)
+        except ImageRefused as exc:
+            raise OpenAIError(400, str(exc), param="messages") from None
+        return built.tokens, built.images
 
     def _max_tokens(self, asked: int | None, prompt_len: int, default: int | None) -> int:
         if self.context_len is not None and prompt_len >= self.context_len:
@@ -199,22 +235,30 @@ class OpenAIFront:
         return params
 
     def engine_request(self, request: CompletionRequest | ChatCompletionRequest, prompts: Sequence[list[int]],
-                       limit: int | None, default: int | None) -> GenerateRequest:
-        """The batched ``/generate`` request of ``request``'s rows (prompt-major, ``n`` rows per prompt)."""
+                       limit: int | None, default: int | None,
+                       images: Sequence[list[str]] | None = None) -> GenerateRequest:
+        """The batched ``/generate`` request of ``request``'s rows (prompt-major, ``n`` rows per prompt);
+        ``images``: each prompt's images (``image_data``, one list per row), if any has some."""
         self.check_model(request.model)
         input_ids: list[list[int]] = []
         params: list[dict[str, Any]] = []
+        image_data: list[list[str]] = []
         for p, ids in enumerate(prompts):
             max_new = self._max_tokens(limit, len(ids), default)
             for c in range(request.choices):
                 seed = row_seed(request.seed, p, c) if request.seed is not None else None
                 input_ids.append(list(ids))
                 params.append(self.sampling_params(request, max_new, seed))
-        return GenerateRequest(input_ids=input_ids, sampling_params=params, return_logprob=True)
+                image_data.append(list(images[p]) if images else [])
+        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
+        if any(image_data):  # text requests carry no image_data at all
+            body["image_data"] = image_data
+        return GenerateRequest.model_validate(body)
 
     async def _run(self, request: CompletionRequest | ChatCompletionRequest, prompts: Sequence[list[int]],
-                   limit: int | None, default: int | None, prefix: str) -> Generation:
-        engine_request = self.engine_request(request, prompts, limit, default)
+                   limit: int | None, default: int | None, prefix: str,
+                   images: Sequence[list[str]] | None = None) -> Generation:
+        engine_request = self.engine_request(request, prompts, limit, default, images)
         answer = await self.engine.generate(engine_request)
         answers = answer if isinstance(answer, list) else [answer]
         if len(answers) != len(engine_request.input_ids or []):
@@ -246,8 +290,8 @@ class OpenAIFront:
 
     async def chat(self, request: ChatCompletionRequest) -> Generation:
         """Run a chat completions request on the engine (the chat template applied)."""
-        prompt = self.encode(self.chat_prompt(request))
-        return await self._run(request, [prompt], request.token_limit(), None, "chatcmpl")
+        prompt, images = await self.chat_input(request)
+        return await self._run(request, [prompt], request.token_limit(), None, "chatcmpl", [images])
 
     async def stream_completion(self, request: CompletionRequest) -> AsyncIterator[str]:
         """The SSE frames of a streamed completion, once the engine sent its first update (errors before that
@@ -260,8 +304,8 @@ class OpenAIFront:
 
     async def stream_chat(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
         """The SSE frames of a streamed chat completion (see :meth:`stream_completion`)."""
-        prompt = self.encode(self.chat_prompt(request))
-        engine_request = self.engine_request(request, [prompt], request.token_limit(), None)
+        prompt, images = await self.chat_input(request)
+        engine_request = self.engine_request(request, [prompt], request.token_limit(), None, [images])
         stream = OpenAIStream(self, request, "chatcmpl", [len(prompt)], chat=True)
         return await stream.start(self.engine.generate_stream(engine_request))
 

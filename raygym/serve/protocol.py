@@ -4,7 +4,8 @@ Field names and types follow the ``openai`` package's own types (``openai.types.
 ``openai.types.chat.ChatCompletion`` / ``ChatCompletionChunk``, ``openai.types.Model``). Request fields
 the server cannot honour (tools, response formats, logit bias, top logprobs) are refused with a 400
 naming the parameter instead of being silently ignored; bookkeeping fields (``user``, ``metadata``,
-``store``, ...) are accepted and ignored.
+``store``, ...) are accepted and ignored. Chat messages' content may be text or OpenAI content parts: ``text``
+and ``image_url`` (images are served for vision-language models, as data URLs only: :mod:`raygym.serve.images`).
 
 >>> CompletionRequest.model_validate({"model": "m", "prompt": "hi", "max_tokens": 4}).prompts()
 ['hi']
@@ -12,7 +13,7 @@ naming the parameter instead of being silently ignored; bookkeeping fields (``us
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -118,19 +119,50 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    url: str
+    detail: str | None = None  # OpenAI's "auto" | "low" | "high": accepted, the image processor decides
+
+
+class ImagePart(BaseModel):
+    """OpenAI's image content part; only ``data:image/...;base64,...`` URLs are served
+    (:mod:`raygym.serve.images`: the server fetches nothing)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    @property
+    def url(self) -> str:
+        return self.image_url.url
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
+        """The message's text (its text parts joined; image parts are not text)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def image_parts(self) -> list[ImagePart]:
+        """The message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part for part in self.content if isinstance(part, ImagePart)]
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -160,6 +192,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def has_images(self) -> bool:
+        return any(m.image_parts() for m in self.messages)
 
 
 # ── responses ────────────────────────────────────────────────────────────────────────────────────
@@ -274,5 +309,6 @@ class ErrorResponse(BaseModel):
 
 __all__ = [
     "ChatCompletion", "ChatCompletionChunk", "ChatCompletionRequest", "ChatMessage", "Completion",
-    "CompletionRequest", "ErrorResponse", "ModelCard", "ModelList", "UnsupportedParameter", "Usage",
+    "CompletionRequest", "ErrorResponse", "ImagePart", "ImageURL", "ModelCard", "ModelList", "TextPart",
+    "UnsupportedParameter", "Usage",
 ]

@@ -87,7 +87,8 @@ def preflight_engine_here(settings: ServeSettings) -> str:
 
 def start_engine_front(settings: ServeSettings, gpu_ids: list[int]) -> tuple[Any, Any]:
     """Start the engine ``settings`` name on ``gpu_ids`` and build the OpenAI front in front of it; returns
-    ``(EngineActor, OpenAIFront)``. Shared by a Serve replica and the one-box server (:mod:`raygym.serve.direct`)."""
+    ``(EngineActor, OpenAIFront)``; a vision-language checkpoint's front takes chat images
+    (:mod:`raygym.serve.images`). Shared by a Serve replica and the one-box server (:mod:`raygym.serve.direct`)."""
     import tempfile
 
     from transformers import AutoTokenizer
@@ -95,6 +96,7 @@ def start_engine_front(settings: ServeSettings, gpu_ids: list[int]) -> tuple[Any
     from raygym.engine_api.kinds import choose_rollout_engine
     from raygym.engines.actor import EngineActor
     from raygym.serve.front import OpenAIFront
+    from raygym.serve.images import ChatImages
 
     kind = choose_rollout_engine(settings.engine)
     gpus = max(1, len(gpu_ids))  # one engine per replica: it may decode on every core the replica has
@@ -106,6 +108,7 @@ def start_engine_front(settings: ServeSettings, gpu_ids: list[int]) -> tuple[Any
     try:
         engine.start()
         tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
+        images = ChatImages.for_checkpoint(settings.model_dir, tokenizer, settings.model_name)
     except BaseException:
         engine.close()
         raise
@@ -115,7 +118,7 @@ def start_engine_front(settings: ServeSettings, gpu_ids: list[int]) -> tuple[Any
 
         context = min(context or max_model_len(recipe), max_model_len(recipe))
     front = OpenAIFront(tokenizer, ReplicaEngine(engine, fields), settings.model_name,
-                        context_len=context, default_max_tokens=settings.default_max_tokens)
+                        context_len=context, default_max_tokens=settings.default_max_tokens, images=images)
     return engine, front
 
 
