@@ -94,13 +94,12 @@ def build_tiny_vlm(seed: int = 0, **text_overrides: Any):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     tok = build_vlm_tokenizer()
-    ids = {name: int(tok.convert_tokens_to_ids(token))
-           for name, token in (("vision_start_token_id", VISION_START), ("image_token_id", IMAGE_PAD),
-                               ("vision_end_token_id", VISION_END))}
+    image = int(tok.convert_tokens_to_ids(IMAGE_PAD))
     text = {**TINY_VLM_TEXT, "vocab_size": len(tok), "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 1,
             **text_overrides}
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(TINY_VLM_VISION), video_token_id=ids["image_token_id"],
-                              pad_token_id=0, eos_token_id=1, bos_token_id=1, **ids)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(TINY_VLM_VISION), image_token_id=image,
+                              video_token_id=image, vision_start_token_id=int(tok.convert_tokens_to_ids(VISION_START)),
+                              vision_end_token_id=int(tok.convert_tokens_to_ids(VISION_END)))
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen2_5_VLForConditionalGeneration(config)

@@ -324,8 +324,9 @@ class RolloutManager:
 
     async def _send(self, input_ids: list[int], sampling_params: dict[str, Any],
                     trace: dict[str, Any] | None = None, images: list[str] | None = None) -> tuple[int, GenerateResponse]:
+        extra: dict[str, Any] = {"image_data": list(images)} if images else {}  # unset, not null, for text
         request = GenerateRequest(input_ids=list(input_ids), sampling_params=dict(sampling_params), return_logprob=True,
-                                  **({"image_data": list(images)} if images else {}))
+                                  **extra)
         engine, answer = await self.pool.request(request, trace)
         if isinstance(answer, list):
             raise RaygymError(f"{self.pool.engine_name(engine)} answered one prompt with {len(answer)} outputs")

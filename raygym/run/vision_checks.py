@@ -87,6 +87,9 @@ def check_vision_run(cfg: TrainConfig) -> None:
         raise ConfigError(f"rollout_engine={recipe.rollout_engine!r} with {what}: "
                           f"{ENGINE_GAPS.get(recipe.rollout_engine, 'it generates from text only')}; "
                           "use --rollout-engine raygym")
+    if recipe.use_critic:
+        raise ConfigError(f"use_critic with {what}: raygym's critic reads token ids only, not images; use a "
+                          "critic-free estimator (--advantage-estimator grpo, the default)")
     ranks = recipe.actor_num_nodes * recipe.actor_num_gpus_per_node
     if ranks > 1:
         raise ConfigError(f"actor_num_nodes x actor_num_gpus_per_node = {ranks} trainer ranks with {what}: the torch "

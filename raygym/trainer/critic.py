@@ -22,7 +22,7 @@ the model, the forward output and the loss:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -154,8 +154,9 @@ class TorchCriticBackend(TorchBackend):
         enable_activation_checkpointing(cast(ValueModel, self.model).model)
 
     def _forward(
-        self, model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+        self, model: torch.nn.Module, ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **vision: Any
     ) -> torch.Tensor:
+        assert not vision, "a critic of a vision-language model is refused before the run (raygym/run/vision_checks.py)"
         with self._autocast():
             return model(input_ids=ids, attention_mask=attention_mask)
 

@@ -144,3 +144,19 @@ def image_token_id_of(path: str) -> int:
     from transformers import AutoTokenizer
 
     return image_token_id(AutoTokenizer.from_pretrained(path))
+
+
+def test_lora_adapts_the_language_model_of_a_vlm(vlm_path):
+    """LoRA on the VLM's language model: only adapters train, and a step changes the log-probs of image prompts."""
+    samples = vlm_samples(vlm_path, 8, seed=5)
+    backend = TorchBackend(settings_for(vlm_path, lr=1e-2, lora_rank=4, lora_alpha=8,
+                                        lora_target_modules="q_proj,k_proj,v_proj,o_proj"))
+    info = backend.init()
+    assert info["lora"]["targets"] == 8  # 4 projections x 2 language-model layers; the vision tower has none
+    batch = TrainBatch.from_samples(samples, group_size=2)
+    before = backend.compute_log_probs(batch).log_probs
+    backend.train_step(batch.with_log_probs({"log_probs": before}).with_advantages("grpo"), rollout_id=0)
+    after = backend.compute_log_probs(batch).log_probs
+    trained = [n for n, p in backend.model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n and "visual" not in n for n in trained)
+    assert max(float((a - b).abs().max()) for a, b in zip(after, before, strict=True)) > 1e-5
