@@ -26,10 +26,9 @@ if TYPE_CHECKING:
     from raygym.config import TrainConfig
 
 # The engines that generate from images today, and why the others do not.
-VISION_ENGINES = ("raygym",)
+VISION_ENGINES = ("raygym", "vllm")
 ENGINE_GAPS = {
     "sglang": "raygym does not yet send image_data to stock SGLang nor map the vision tower's weights to its names",
-    "vllm": "raygym's vLLM adapter does not yet pass images to vLLM nor map the vision tower's weights to its names",
 }
 
 

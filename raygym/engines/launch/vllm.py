@@ -102,7 +102,9 @@ def model_facts(model_path: str) -> dict[str, Any]:
     heads = text.get("num_attention_heads", 1)
     head_dim = text.get("head_dim") or text.get("hidden_size", 0) // max(1, heads)
     kv_heads = text.get("num_key_value_heads") or heads
-    dtype = str(text.get("dtype") or text.get("torch_dtype") or "bfloat16")
+    # a vision-language config names the dtype at its top level, not in text_config
+    dtype = str(text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
+                or "bfloat16")
     itemsize = 4 if "32" in dtype else 2
     return {"vocab_size": int(text["vocab_size"]), "max_position_embeddings": text.get("max_position_embeddings"),
             "dtype": dtype,

@@ -53,6 +53,7 @@ class SampleJob(Generic[P]):
     logprob_start: int  # -1: no input log-probs
     lora_path: str | None
     routed_experts: bool
+    images: tuple[Any, ...] = ()  # the prompt's images (``image_data``: data URLs, paths, ...), shared by its samples
 
 
 @dataclass(frozen=True)
@@ -115,12 +116,42 @@ def _prompts(req: GenerateRequest, vocab_size: int, encode: Callable[[str], list
     return encoded, isinstance(req.text, str)
 
 
+def images_per_prompt(image_data: str | list[Any] | None, prompts: int, single: bool) -> list[list[str]]:
+    """SGLang's ``image_data`` as one list of images per prompt: for one prompt (sent as one) an image or a
+    list of them; for a batch a list with one entry per prompt, each an image, a list of images or ``[]``.
+
+    >>> images_per_prompt("a", 1, True), images_per_prompt(["a", "b"], 1, True), images_per_prompt(None, 2, False)
+    ([['a']], [['a', 'b']], [[], []])
+    >>> images_per_prompt(["a", ["b", "c"], []], 3, False)
+    [['a'], ['b', 'c'], []]
+    """
+    if image_data is None:
+        return [[] for _ in range(prompts)]
+    if single:
+        if isinstance(image_data, str):
+            return [[image_data]]
+        if len(image_data) == 1 and isinstance(image_data[0], list):  # a batch of one, written as a batch
+            image_data = image_data[0]
+        if all(isinstance(i, str) for i in image_data):
+            return [list(image_data)]
+        raise GenerateError("image_data: one prompt takes an image (a string) or a list of images")
+    if not isinstance(image_data, list) or len(image_data) != prompts:
+        count = len(image_data) if isinstance(image_data, list) else "one image"
+        raise GenerateError(f"image_data: {count} for {prompts} prompts; a batch takes a list with one entry per "
+                            "prompt (an image, a list of images, or [] for none)")
+    return [[entry] if isinstance(entry, str) else list(entry) for entry in image_data]
+
+
 def read_generate(req: GenerateRequest, *, vocab_size: int, encode: Callable[[str], list[int]] | None,
                   parse_params: Callable[[dict[str, Any]], tuple[P, int]]) -> GenerateCall[P]:
     """The jobs of ``req``. ``parse_params`` turns one prompt's ``sampling_params`` into the server's own
-    parameters and their ``n`` (a ValueError names the bad field); ``encode`` tokenizes ``text`` prompts."""
+    parameters and their ``n`` (a ValueError names the bad field); ``encode`` tokenizes ``text`` prompts. Each job
+    carries its prompt's images (:func:`images_per_prompt`; the prompt ids arrive widened, see
+    :class:`~raygym.engine_api.protocol.GenerateRequest`): a server that runs no images must refuse jobs that
+    have some, never drop them."""
     prompts, single = _prompts(req, vocab_size, encode)
     count = len(prompts)
+    images = images_per_prompt(req.image_data, count, single)
     params = per_item(req.sampling_params, count, "sampling_params", dict, {})
     rids = per_item(req.rid, count, "rid", str, None)
     logprobs = per_item(req.return_logprob, count, "return_logprob", bool, False)
@@ -140,7 +171,8 @@ def read_generate(req: GenerateRequest, *, vocab_size: int, encode: Callable[[st
         rid = rids[i] or uuid.uuid4().hex
         own, n = parsed[i]
         for k in range(n):
-            jobs.append(SampleJob(len(jobs), rid, k, n, ids, own, logprobs[i], starts[i], adapters[i], routes[i]))
+            jobs.append(SampleJob(len(jobs), rid, k, n, ids, own, logprobs[i], starts[i], adapters[i], routes[i],
+                                  tuple(images[i])))
     return GenerateCall(jobs, single, req.stream, req.return_text_in_logprobs)
 
 
@@ -261,5 +293,5 @@ async def respond(request: web.Request, call: GenerateCall[Any], updates: list[A
     return response
 
 
-__all__ = ["GenerateCall", "GenerateError", "SampleJob", "answer_json", "last", "per_item", "prompt_batch",
-           "read_generate", "respond", "sample_answer", "visible_text"]
+__all__ = ["GenerateCall", "GenerateError", "SampleJob", "answer_json", "images_per_prompt", "last", "per_item",
+           "prompt_batch", "read_generate", "respond", "sample_answer", "visible_text"]

@@ -14,7 +14,9 @@ from here). Routes map onto vLLM's engine as follows:
 
 - ``/generate`` -> ``AsyncLLM.generate`` per sample (read and answered by :mod:`raygym.engines.serving.generate_route`,
   as on raygym's server; :mod:`raygym.engines.vllm.protocol` translates the sampling parameters; ``stream: true``
-  sends vLLM's cumulative outputs as they come);
+  sends vLLM's cumulative outputs as they come); ``image_data`` on a Qwen2-VL-family checkpoint -> vLLM's
+  ``multi_modal_data`` with one pad per image, which vLLM widens back to the request's ids
+  (:mod:`raygym.engines.vllm.vision`);
 - ``/pause_generation`` -> ``pause_generation`` (abort -> "abort", in_place -> "keep", retract -> "keep" plus
   a prefix-cache reset that preempts running requests, so they are recomputed after the update);
   ``/continue_generation`` -> ``resume_generation``; ``/flush_cache`` -> ``reset_prefix_cache`` (400 while
@@ -77,9 +79,11 @@ from raygym.engines.serving.http import (
     server_info_body,
 )
 from raygym.engines.vllm import protocol as vp
+from raygym.engines.vllm import vision as vv
 from raygym.engines.vllm.idle import READER_SPIN_ENV
 
 log = logging.getLogger("raygym.engines.vllm.server")
+vv.install_stand_ins_from_env()  # vLLM's spawned processes import this module (their __mp_main__) before the model's
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 WORKER_EXTENSION = "raygym.engines.vllm.weights.RaygymWorkerExtension"
@@ -93,8 +97,9 @@ class VllmAdapter:
 
     def __init__(self, llm: Any, *, model_path: str, vocab_size: int, eos_token_id: int | None,
                  weight_version: str, device: str, sleep_mode: bool, timeout_s: float,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, vision: vv.VllmVision | None = None) -> None:
         self.llm = llm
+        self.vision = vision  # None: a text-only checkpoint
         self.model_path = model_path
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -144,7 +149,8 @@ class VllmAdapter:
         encode = self.llm.get_tokenizer().encode if req.text is not None else None
         try:
             call = read_generate(req, vocab_size=self.vocab_size, encode=encode, parse_params=vp.sampling_kwargs)
-        except GenerateError as exc:
+            prompts = vv.vllm_prompts(self.vision, self.model_path, call.jobs)  # images: vLLM's form, or a 400
+        except (GenerateError, vv.ImageInputError) as exc:
             raise BadRequest(str(exc)) from None
         if any(job.routed_experts for job in call.jobs):
             raise BadRequest("return_routed_experts: raygym's vLLM adapter does not report routed experts")
@@ -153,13 +159,13 @@ class VllmAdapter:
         except KeyError as exc:
             raise BadRequest(f"lora_path={exc.args[0]!r}: no such adapter is loaded (loaded: "
                              f"{sorted(self.lora.requests)}); load it with /load_lora_adapter") from None
-        return await respond(request, call, [self._updates(job, adapter, call.stream)
-                                             for job, adapter in zip(call.jobs, adapters, strict=True)])
+        return await respond(request, call, [self._updates(job, adapter, call.stream, prompt)
+                                             for job, adapter, prompt in zip(call.jobs, adapters, prompts, strict=True)])
 
-    async def _updates(self, job: SampleJob[dict[str, Any]], adapter: Any, stream: bool
-                       ) -> AsyncIterator[GenerateResponse]:
-        """One sample on vLLM's engine: with ``stream``, the sample so far at each of vLLM's outputs (cumulative),
-        then its answer."""
+    async def _updates(self, job: SampleJob[dict[str, Any]], adapter: Any, stream: bool,
+                       prompt: dict[str, Any] | None = None) -> AsyncIterator[GenerateResponse]:
+        """One sample on vLLM's engine (``prompt``: ``TokensPrompt``'s fields, default the job's ids): with
+        ``stream``, the sample so far at each of vLLM's outputs (cumulative), then its answer."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -172,8 +178,10 @@ class VllmAdapter:
         self._rids.setdefault(job.rid, set()).add(request_id)
         final = None
         try:
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(job.prompt)), params,
-                                               request_id=request_id, lora_request=adapter):
+            async for out in self.llm.generate(TokensPrompt(**(prompt or {"prompt_token_ids": list(job.prompt)})),
+                                               params, request_id=request_id, lora_request=adapter):
+                if job.images and final is None:
+                    vv.check_widened(out.prompt_token_ids, job.prompt)
                 final = out
                 if stream and not out.finished and out.outputs:
                     yield self._answer(job, out, started, finished=False)
@@ -239,7 +247,8 @@ class VllmAdapter:
         return web.json_response({
             "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
             "preferred_sampling_params": None, "weight_version": self.weight_version,
-            "has_image_understanding": False, "has_audio_understanding": False, "engine": "vllm",
+            "has_image_understanding": self.vision is not None and self.vision.unsupported is None,
+            "has_audio_understanding": False, "engine": "vllm",
             "vllm_version": vllm.__version__, "device": self.device,
             "dtype": str(self.llm.model_config.dtype).removeprefix("torch."),
             "max_model_len": self.llm.model_config.max_model_len,
@@ -554,8 +563,9 @@ async def serve(args: argparse.Namespace) -> None:
     extra_engine_args = json.loads(args.engine_args)
     if device == "cpu":
         extra_engine_args = cpu_engine_args(extra_engine_args)
+    vision, tokenizer_path, extra_engine_args = vv.prepare_vision(model_path, extra_engine_args)
     engine_args = AsyncEngineArgs(
-        model=model_path, tokenizer=model_path, dtype=dtype, seed=args.seed, max_model_len=max_len,
+        model=model_path, tokenizer=tokenizer_path, dtype=dtype, seed=args.seed, max_model_len=max_len,
         tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager or device == "cpu",
         enable_sleep_mode=args.enable_sleep_mode and device == "cuda", logprobs_mode="processed_logprobs",
@@ -566,7 +576,7 @@ async def serve(args: argparse.Namespace) -> None:
     adapter = VllmAdapter(
         llm, model_path=model_path, vocab_size=facts["vocab_size"], eos_token_id=getattr(tokenizer, "eos_token_id", None),
         weight_version=args.weight_version, device=device, sleep_mode=args.enable_sleep_mode,
-        timeout_s=args.weight_update_timeout, api_key=engine_api_key())
+        timeout_s=args.weight_update_timeout, api_key=engine_api_key(), vision=vision)
     if args.lora_adapter:
         from raygym.lora import ADAPTER_NAME
 

@@ -18,7 +18,10 @@ The backend speaks raygym's transports, so the trainer needs no vLLM:
   raygym's disk transport, or any HF safetensors checkpoint directory) or ``tensors`` (pickled named tensors:
   CUDA IPC handles on a shared GPU), with ``payload`` = ``flattened`` / ``tensors`` (HF-named full tensors) or
   ``raygym`` (raygym buckets, full or delta: rebuilt into full tensors from the host snapshot this worker
-  keeps of what it loaded). Full tensors go to the model's own ``load_weights``.
+  keeps of what it loaded). Full tensors go to the model's own ``load_weights``, which takes the trainer's
+  in-memory names and a saved checkpoint's alike (vLLM's ``hf_to_vllm_mapper``: for Qwen2.5-VL
+  ``model.language_model.*`` / ``model.*`` -> ``language_model.model.*``, ``model.visual.*`` -> ``visual.*``,
+  ``lm_head.*`` -> ``language_model.lm_head.*``).
 
 Verification: each worker keeps the xxh3 checksum of every HF-named full tensor it handed to ``load_weights``
 (:meth:`RaygymWorkerExtension.raygym_received_checksums`, asked inside the session; a chunk counts once it loaded),
@@ -51,6 +54,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from raygym.engines.serving.weight_receiver import destroy_group
 from raygym.engines.vllm.idle import bound_reader_spin_from_env
+from raygym.engines.vllm.vision import install_stand_ins_from_env
 from raygym.errors import WeightSyncError
 from raygym.weightsync.codec import checksum, dtype_from_name
 from raygym.weightsync.loader import HostSnapshot
@@ -58,6 +62,7 @@ from raygym.weightsync.tensor_pickle import loads_named_tensors
 from raygym.weightsync.transport_dist import join_group, receive_flattened, receive_tensors
 
 bound_reader_spin_from_env()  # this module loads in every worker before its batch queue is made
+install_stand_ins_from_env()  # ... and before it builds the model (vision checkpoints without torchvision)
 
 BACKEND = "raygym"
 SOURCES = ("group", "disk", "tensors")
