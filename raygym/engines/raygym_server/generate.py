@@ -40,6 +40,7 @@ from raygym.engines.serving.generate_route import (
     GenerateCall,
     GenerateError,
     SampleJob,
+    images_per_prompt,
     read_generate,
     respond,
     sample_answer,
@@ -92,32 +93,6 @@ class Wakeup:
 def _parse_params(raw: dict[str, Any]) -> tuple[SamplingParams, int]:
     params = SamplingParams.from_dict(raw)
     return params, params.n
-
-
-def images_per_prompt(image_data: str | list[Any] | None, prompts: int, single: bool) -> list[list[str]]:
-    """SGLang's ``image_data`` as one list of images per prompt: for one prompt (sent as one) an image or a
-    list of them; for a batch a list with one entry per prompt, each an image, a list of images or ``[]``.
-
-    >>> images_per_prompt("a", 1, True), images_per_prompt(["a", "b"], 1, True), images_per_prompt(None, 2, False)
-    ([['a']], [['a', 'b']], [[], []])
-    >>> images_per_prompt(["a", ["b", "c"], []], 3, False)
-    [['a'], ['b', 'c'], []]
-    """
-    if image_data is None:
-        return [[] for _ in range(prompts)]
-    if single:
-        if isinstance(image_data, str):
-            return [[image_data]]
-        if len(image_data) == 1 and isinstance(image_data[0], list):  # a batch of one, written as a batch
-            image_data = image_data[0]
-        if all(isinstance(i, str) for i in image_data):
-            return [list(image_data)]
-        raise GenerateError("image_data: one prompt takes an image (a string) or a list of images")
-    if not isinstance(image_data, list) or len(image_data) != prompts:
-        count = len(image_data) if isinstance(image_data, list) else "one image"
-        raise GenerateError(f"image_data: {count} for {prompts} prompts; a batch takes a list with one entry per "
-                            "prompt (an image, a list of images, or [] for none)")
-    return [[entry] if isinstance(entry, str) else list(entry) for entry in image_data]
 
 
 class GenerateRoute:
