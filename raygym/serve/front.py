@@ -250,10 +250,8 @@ class OpenAIFront:
                 input_ids.append(list(ids))
                 params.append(self.sampling_params(request, max_new, seed))
                 image_data.append(list(images[p]) if images else [])
-        body: dict[str, Any] = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
-        if any(image_data):  # text requests carry no image_data at all
-            body["image_data"] = image_data
-        return GenerateRequest.model_validate(body)
+        extra: dict[str, Any] = {"image_data": image_data} if any(image_data) else {}  # unset, not null, for text
+        return GenerateRequest(input_ids=input_ids, sampling_params=params, return_logprob=True, **extra)
 
     async def _run(self, request: CompletionRequest | ChatCompletionRequest, prompts: Sequence[list[int]],
                    limit: int | None, default: int | None, prefix: str,
