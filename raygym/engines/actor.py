@@ -41,6 +41,7 @@ from raygym.engine_api.client import EngineClient, EngineConnectionError, LoopTh
 from raygym.engine_api.protocol import ROUTES, Endpoint, GenerateRequest, GenerateResponse
 from raygym.engines.launch.sglang import (
     DELTA_LOADER,
+    STOCK_SGLANG_ENV,
     build_raygym_server_argv,
     build_sglang_argv,
     engine_cpu_cores,
@@ -50,6 +51,7 @@ from raygym.engines.launch.sglang import (
     stock_engine_bind_env,
 )
 from raygym.engines.launch.vllm import build_vllm_argv
+from raygym.engines.sglang_images import checkpoint_image_tokens, engine_client
 from raygym.errors import ConfigError, RaygymError
 
 T = TypeVar("T")
@@ -291,15 +293,21 @@ class EngineActor:
         if client is None or client.base_url != self.url():
             if client is not None:  # the server restarted on another port
                 loop.create_task(client.aclose())
-            client = self._caller_clients[loop] = EngineClient(self.url(), timeout=self.request_timeout)
+            client = self._caller_clients[loop] = self._new_client(self.url())
         return client
+
+    def _new_client(self, url: str) -> EngineClient:
+        """A client of this engine: for stock SGLang on a vision-language model one that sends each image's pads as
+        one (:mod:`raygym.engines.sglang_images`)."""
+        return engine_client(self.backend, url, image_tokens=checkpoint_image_tokens(self.model_path),
+                             timeout=self.request_timeout)
 
     def _get_client(self) -> EngineClient:
         if self._client is None:
             url = self.url()
 
             async def make() -> EngineClient:  # created on the loop that will use it
-                return EngineClient(url, timeout=self.request_timeout)
+                return self._new_client(url)
 
             self._client = self._run(make(), 10)
         return self._client
@@ -394,6 +402,7 @@ class EngineActor:
             env.update(stock_engine_bind_env(self.backend, pinned, self.settings.rollout_num_gpus_per_engine))
         if self.backend == "sglang":
             env.pop(ENGINE_API_KEY_ENV, None)  # SGLang takes its key from the config file only
+            env.update(STOCK_SGLANG_ENV)  # no vision features kept across weight updates
         # The child imports raygym (its custom weight loader) the way this process does: the checkout or
         # site-packages directory holding the package is put on its path, through a directory with
         # nothing else in it when the child runs another interpreter (whose own packages must win).

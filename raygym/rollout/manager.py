@@ -54,6 +54,7 @@ from raygym.data.prompts import (
     load_eval_datasets,
 )
 from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
+from raygym.engines import sglang_images
 from raygym.engines.health import ClientFactory, EnginePool
 from raygym.engines.launch.lora import adapter_request_fields
 from raygym.errors import RaygymError
@@ -143,7 +144,8 @@ class RolloutManager:
         self.pool = EnginePool(
             engine_handles,
             fault_tolerance=s.use_fault_tolerance,
-            client_factory=client_factory,
+            client_factory=client_factory or sglang_images.client_factory(  # stock SGLang: one pad per image
+                cfg.recipe.rollout_engine, sglang_images.tokenizer_image_tokens(self.tokenizer), request_timeout),
             request_timeout=request_timeout,
             health_interval=s.rollout_health_check_interval,
             health_timeout=s.rollout_health_check_timeout,

@@ -26,10 +26,8 @@ if TYPE_CHECKING:
     from raygym.config import TrainConfig
 
 # The engines that generate from images today, and why the others do not.
-VISION_ENGINES = ("raygym", "vllm")
-ENGINE_GAPS = {
-    "sglang": "raygym does not yet send image_data to stock SGLang nor map the vision tower's weights to its names",
-}
+VISION_ENGINES = ("raygym", "vllm", "sglang")
+ENGINE_GAPS: dict[str, str] = {}
 
 
 def checkpoint_config(hf_checkpoint: str) -> dict[str, Any] | None:

@@ -61,6 +61,7 @@ from raygym.weightsync.payload import ALIGN, FULL
 from raygym.weightsync.pipeline import BucketPipeline, Lookahead
 from raygym.weightsync.snapshot import WeightSnapshot
 from raygym.weightsync.transport import Transport
+from raygym.weightsync.vlm_names import names_for_engine
 
 MODES = ("full", "delta", "auto")
 TRANSPORTS = ("nccl", "disk", "ipc")
@@ -431,7 +432,8 @@ class RankWeightSync:
              refresh_snapshot: bool = True) -> dict[str, Any]:
         if self.sender is None:
             return drain(weights)
-        named = moe_names.for_engine(weights, self.sender.spec.engine_kind)  # MoE experts as the engines load them
+        kind = self.sender.spec.engine_kind  # names (a VLM's checkpoint names for SGLang) and MoE experts as it loads them
+        named = moe_names.for_engine(names_for_engine(weights, kind), kind)
         return self.sender.push(version, named, force_full=force_full, refresh_snapshot=refresh_snapshot)
 
     def commit(self, version: int) -> None:

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from tests.engine_training import (
+    REPO_ROOT,
     assert_learns_with_probe_verified_syncs,
     installed_raygym_python,
     train_with_engine,
@@ -50,3 +51,13 @@ def test_tiny_moe_learns_with_stock_sglang(tmp_path, sglang_python):
                                  "--rollout-engine-python", sglang_python, "--num-rollout", str(STEPS)],
                                 tmp_path / "run")
     assert_learns_with_probe_verified_syncs(rows, STEPS)
+
+
+def test_the_tiny_vlm_learns_to_count_with_stock_sglang(tmp_path, sglang_python):
+    """examples/vision's run with stock SGLang as the engine: each image's pads reach SGLang as the one it widens
+    itself, the tower and language model sync under the checkpoint's names, verified, and the count is learned."""
+    rows, _ = train_with_engine(["@", str(REPO_ROOT / "examples" / "vision" / "run.toml"), "--rollout-engine",
+                                 "sglang", "--rollout-engine-python", sglang_python], tmp_path / "run")
+    assert len(rows) == 200
+    evals = [r["eval/count-shapes/pass@1"] for r in rows if "eval/count-shapes/pass@1" in r]
+    assert evals[0] < 0.45 and evals[-1] > 0.6, evals

@@ -1,4 +1,5 @@
-"""Command lines for the two inference servers an EngineActor can own (pure: no I/O, no torch).
+"""Command lines for the two inference servers an EngineActor can own (no torch; the only I/O: the SGLang command
+line reads a local checkpoint's ``config.json``, :func:`sglang_model_overrides`).
 
 SGLang's flags move between releases (``--cuda-graph-bs`` became an ambiguous prefix in 0.5.23, which has
 ``--cuda-graph-bs-decode``/``-prefill``; ``--cuda-graph-backend-prefill`` does not exist in 0.5.6), so the
@@ -15,6 +16,7 @@ SGLang's own argument parser for every version the ``sglang`` extra allows.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -108,6 +110,14 @@ def engine_cpu_cores(recipe: Recipe, cores: Sequence[int]) -> tuple[int, ...] | 
     return None if split is None else split.engines
 
 
+# The environment every stock SGLang engine runs with. ``SGLANG_VLM_CACHE_SIZE_MB=0``: SGLang keeps the vision
+# tower's features of every image it has seen (``sglang/srt/managers/mm_schedule.py``, a cache keyed by the image's
+# hash that no weight update or ``/flush_cache`` clears, in 0.5.18), so after a weight sync an image seen before would
+# still be embedded by the old vision tower; SGLang turns the cache off itself for RL (``--rl-on-policy-target``).
+# Only vision-language models use it.
+STOCK_SGLANG_ENV = {"SGLANG_VLM_CACHE_SIZE_MB": "0"}
+
+
 def stock_engine_bind_env(backend: str, cores: Sequence[int], tp_size: int) -> dict[str, str]:
     """The environment that binds stock SGLang's CPU compute threads to ``cores`` (its tensor-parallel ranks to
     equal slices of them): ``SGLANG_CPU_OMP_THREADS_BIND``, core lists joined by ``|``, one per rank. Without it
@@ -183,6 +193,49 @@ def _config_sets(recipe: Recipe, name: str) -> bool:
     return any(str(k).lstrip("-").replace("-", "_") == name for k in (recipe.sglang_config or {}))
 
 
+def sglang_model_overrides(hf_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What SGLang must read differently from the checkpoint's ``config.json`` (``--json-model-override-args``).
+
+    A Qwen2-VL-family checkpoint whose ``video_token_id`` is its ``image_token_id`` (the builtin tiny VLM: its
+    tokenizer has no ``<|video_pad|>``) gets a video token outside its vocabulary: SGLang's M-RoPE position index
+    (``sglang/srt/layers/rotary_embedding/mrope_rope_index.py``, ``get_rope_index``) counts every pad that follows
+    ``<|vision_start|>`` as a video too, takes the image for a video (``ed_image < ed_video`` is false when both are
+    the same pad) and fails on the missing ``video_grid_thw`` (``TypeError: 'NoneType' object is not
+    subscriptable``) for every request with an image. No prompt holds the new id, so no video is ever found.
+
+    >>> sglang_model_overrides({"vision_config": {}, "image_token_id": 51, "video_token_id": 51,
+    ...                         "text_config": {"vocab_size": 53}})
+    {'video_token_id': 53}
+    >>> sglang_model_overrides({"vision_config": {}, "image_token_id": 151655, "video_token_id": 151656})
+    {}
+    """
+    if not hf_config or "vision_config" not in hf_config:
+        return {}
+    image, video = hf_config.get("image_token_id"), hf_config.get("video_token_id")
+    if image is None or video != image:
+        return {}
+    text = hf_config.get("text_config") or {}
+    vocab = text.get("vocab_size") or hf_config.get("vocab_size")
+    if not vocab:
+        raise ConfigError("the checkpoint's config.json gives its video token the image token's id and no vocab_size: "
+                          "stock SGLang cannot tell its images from videos; give the checkpoint a video token of its "
+                          "own or use --rollout-engine raygym")
+    return {"video_token_id": int(vocab)}
+
+
+def local_checkpoint_config(model_path: str) -> dict[str, Any] | None:
+    """``model_path/config.json`` when ``model_path`` is a local directory holding one (else None)."""
+    path = os.path.join(os.path.expanduser(model_path), "config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
 def build_sglang_argv(
     recipe: Recipe,
     *,
@@ -198,6 +251,7 @@ def build_sglang_argv(
     weight_version: str | int | None = None,
     custom_weight_loaders: Sequence[str] = (MODEL_LOADER,),
     skip_server_warmup: bool = False,
+    hf_config: Mapping[str, Any] | None = None,
     extra_args: Iterable[str] = (),
 ) -> list[str]:
     """``python -m sglang.launch_server ...`` for one engine from the recipe's sglang_* fields.
@@ -207,7 +261,8 @@ def build_sglang_argv(
     KV cache sized by :func:`cpu_kv_tokens`; colocated on GPU the server gets ``--enable-memory-saver``,
     without which ``/release_memory_occupation`` frees nothing. ``config_path``: where the caller wrote
     :func:`render_sglang_config` (required when it returns text). The log level is ``warning``: SGLang
-    logs its whole configuration at ``info``, API key included.
+    logs its whole configuration at ``info``, API key included. ``hf_config``: the checkpoint's ``config.json``
+    (None: read from ``model_path`` when that is a local directory), for :func:`sglang_model_overrides`.
     """
     if host == "0.0.0.0":
         raise ConfigError("host='0.0.0.0': engines bind their node IP or 127.0.0.1; pass the node IP")
@@ -247,6 +302,13 @@ def build_sglang_argv(
         raise ConfigError("sglang_config is set: write render_sglang_config() to a file and pass config_path")
     if skip_server_warmup:
         argv.append("--skip-server-warmup")
+    overrides = sglang_model_overrides(hf_config if hf_config is not None else local_checkpoint_config(model_path))
+    if overrides:
+        if _config_sets(recipe, "json_model_override_args"):
+            raise ConfigError(f"sglang_config sets json_model_override_args, and this checkpoint needs {overrides} "
+                              "overridden for SGLang (raygym.engines.launch.sglang.sglang_model_overrides); put them "
+                              "into yours")
+        argv += ["--json-model-override-args", json.dumps(overrides)]
     if recipe.use_rollout_routing_replay:  # answers carry meta_info.routed_experts when a request asks
         check_routing_replay("sglang", cuda=device != "cpu", version=sglang_version)
         argv.append(SERVER_FLAG)
