@@ -27,6 +27,7 @@ from raygym.builtin.chars import CHAT_TEMPLATE as CHAT_TEMPLATE
 from raygym.builtin.chars import EOS as EOS
 from raygym.builtin.chars import PAD as PAD
 from raygym.builtin.chars import build_tokenizer as build_tokenizer
+from raygym.builtin.files import write_model_dir
 
 BUILTIN_PREFIX = "builtin:"
 TINY_MODEL = "builtin:tiny-qwen3"
@@ -113,24 +114,7 @@ def materialize_model(uri: str, directory: str | os.PathLike, seed: int = 0, **o
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         return str(path)
     model, tok = build_tiny_model(seed, uri, **overrides)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    from transformers.utils import logging as hf_logging
-
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a 0.3 MB write needs no progress bar in the run's output
-    try:
-        model.save_pretrained(tmp)
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
-    tok.save_pretrained(tmp)
-    try:
-        os.replace(tmp, path)
-    except OSError:  # another process won the race; keep theirs
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(path)
+    return write_model_dir(path, model, [tok.save_pretrained])
 
 
 def next_digit_rows(n: int, seed: int) -> list[dict[str, Any]]:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from raygym.builtin.chars import build_tokenizer
+from raygym.builtin.files import write_model_dir
 from raygym.vision.qwen_vl import (
     IMAGE_PAD,
     IMAGE_PLACEHOLDER,
@@ -113,26 +114,12 @@ def materialize_vlm(directory: str | os.PathLike, seed: int = 0) -> str:
     if (path / "preprocessor_config.json").exists():
         return str(path)
     model, tokenizer = build_tiny_vlm(seed)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    from transformers.utils import logging as hf_logging
 
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(tmp)
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
-    tokenizer.save_pretrained(tmp)
-    build_image_processor().save_pretrained(tmp)
-    # the engines build Qwen2.5-VL's processor (tokenizer, image and video processors) from these files
-    preprocessor = tmp / "preprocessor_config.json"
-    preprocessor.write_text(json.dumps({**json.loads(preprocessor.read_text()),
-                                        "processor_class": "Qwen2_5_VLProcessor"}, indent=2))
-    try:
-        os.replace(tmp, path)
-    except OSError:  # another process won the race; keep theirs
-        import shutil
+    def processor_files(tmp: Path) -> None:
+        build_image_processor().save_pretrained(tmp)
+        # the engines build Qwen2.5-VL's processor (tokenizer, image and video processors) from these files
+        preprocessor = tmp / "preprocessor_config.json"
+        preprocessor.write_text(json.dumps({**json.loads(preprocessor.read_text()),
+                                            "processor_class": "Qwen2_5_VLProcessor"}, indent=2))
 
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(path)
+    return write_model_dir(path, model, [tokenizer.save_pretrained, processor_files])

@@ -48,4 +48,4 @@ def auto_model_class(config: Any) -> Any:
     vision tower (a VLM's is no causal LM to ``AutoModelForCausalLM``), else ``AutoModelForCausalLM``."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    return AutoModelForImageTextToText if "vision_config" in config.to_dict() else AutoModelForCausalLM

@@ -42,6 +42,7 @@ import torch
 from raygym.cluster.cpu_threads import claim_torch_threads
 from raygym.engine_api.protocol import PAUSE_MODES
 from raygym.engines.raygym_server import routing_capture
+from raygym.engines.raygym_server import vision_inputs as vi
 from raygym.engines.raygym_server.generation_request import (
     EngineBusy,
     EngineStats,
@@ -51,16 +52,6 @@ from raygym.engines.raygym_server.generation_request import (
 )
 from raygym.engines.raygym_server.kv_cache import _left_pad, _mergeable, fill_order, new_kv_cache
 from raygym.engines.raygym_server.sampling import SamplingParams, sample_next_tokens
-from raygym.engines.raygym_server.vision_inputs import (
-    ImageInputs,
-    ImageRef,
-    Prefill,
-    VisionSupport,
-    build_prefill,
-    model_name,
-    prepare_images,
-    score_inputs,
-)
 from raygym.vision.model_inputs import embed_with_images
 
 if TYPE_CHECKING:
@@ -94,7 +85,7 @@ class GenerationEngine:
         image_processor: Any = None,
     ) -> None:
         self.model = model.eval()
-        self.vision = VisionSupport.from_model(model, image_processor)  # None: a text-only model
+        self.vision = vi.VisionSupport.from_model(model, image_processor)  # None: a text-only model
         # CPU: torch threads of the worker thread, claimed by it alone (raygym/cluster/cpu_threads.py); None: the
         # process's setting
         self.compute_threads = compute_threads
@@ -259,18 +250,18 @@ class GenerationEngine:
                 self._holds -= 1
                 self._cond.notify_all()
 
-    def prepare_images(self, input_ids: Sequence[int], images: Sequence[ImageRef]) -> ImageInputs | None:
+    def prepare_images(self, input_ids: Sequence[int], images: Sequence[vi.ImageRef]) -> vi.ImageInputs | None:
         """The ``images`` of a request whose (expanded) prompt is ``input_ids`` (None without images);
         ValueError saying what is wrong (:func:`~raygym.engines.raygym_server.vision_inputs.prepare_images`)."""
-        return prepare_images(self.vision, model_name(self.model), input_ids, images)
+        return vi.prepare_images(self.vision, vi.model_name(self.model), input_ids, images)
 
-    def score(self, input_ids: list[int], images: ImageInputs | None = None) -> list[float]:
+    def score(self, input_ids: list[int], images: vi.ImageInputs | None = None) -> list[float]:
         """``log_softmax(logits)`` of each token of ``input_ids`` given the ones before it (from the second
         token on; raw logits, as SGLang's ``input_token_logprobs``), with the prompt's ``images``. Runs between
         decode steps."""
         if len(input_ids) < 2:
             return []
-        inputs = score_inputs(input_ids, images, self.device)
+        inputs = vi.score_inputs(input_ids, images, self.device)
         with self.model_lock, torch.inference_mode():
             logits = self.model(**inputs, use_cache=False).logits[0, :-1].float()
         return torch.log_softmax(logits, -1).gather(-1, inputs["input_ids"][0, 1:, None]).squeeze(-1).tolist()
@@ -433,10 +424,10 @@ class GenerationEngine:
             self._running = []
             self._cond.notify_all()
 
-    def _prefill_inputs(self, rows: list[GenerationRequest]) -> Prefill:
+    def _prefill_inputs(self, rows: list[GenerationRequest]) -> vi.Prefill:
         """Left-padded ids, attention mask and position ids [B, T] for prompt + tokens so far (and the rows'
         images: :func:`~raygym.engines.raygym_server.vision_inputs.build_prefill`)."""
-        return build_prefill([r.input_ids + r.output_ids for r in rows], [r.images for r in rows],
+        return vi.build_prefill([r.input_ids + r.output_ids for r in rows], [r.images for r in rows],
                              pad_token_id=self.pad_token_id, device=self.device)
 
     def _join_waiting(self, rows, logits, mask, positions, cache, label):

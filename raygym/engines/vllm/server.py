@@ -59,14 +59,7 @@ from raygym.engine_api import protocol
 from raygym.engine_api.auth import engine_api_key
 from raygym.engine_api.protocol import STATE_CHANGING, Endpoint, GenerateResponse
 from raygym.engines.launch.vllm import cpu_dtype, cpu_engine_args, cpu_kv_cache_gib, model_facts
-from raygym.engines.serving.generate_route import (
-    GenerateError,
-    SampleJob,
-    last,
-    read_generate,
-    respond,
-    sample_answer,
-)
+from raygym.engines.serving import generate_route as gr
 from raygym.engines.serving.http import (
     BadRequest,
     guard_middleware,
@@ -148,9 +141,9 @@ class VllmAdapter:
         req = await parse(request, protocol.GenerateRequest)
         encode = self.llm.get_tokenizer().encode if req.text is not None else None
         try:
-            call = read_generate(req, vocab_size=self.vocab_size, encode=encode, parse_params=vp.sampling_kwargs)
+            call = gr.read_generate(req, vocab_size=self.vocab_size, encode=encode, parse_params=vp.sampling_kwargs)
             prompts = vv.vllm_prompts(self.vision, self.model_path, call.jobs)  # images: vLLM's form, or a 400
-        except (GenerateError, vv.ImageInputError) as exc:
+        except (gr.GenerateError, vv.ImageInputError) as exc:
             raise BadRequest(str(exc)) from None
         if any(job.routed_experts for job in call.jobs):
             raise BadRequest("return_routed_experts: raygym's vLLM adapter does not report routed experts")
@@ -159,10 +152,10 @@ class VllmAdapter:
         except KeyError as exc:
             raise BadRequest(f"lora_path={exc.args[0]!r}: no such adapter is loaded (loaded: "
                              f"{sorted(self.lora.requests)}); load it with /load_lora_adapter") from None
-        return await respond(request, call, [self._updates(job, adapter, call.stream, prompt)
+        return await gr.respond(request, call, [self._updates(job, adapter, call.stream, prompt)
                                              for job, adapter, prompt in zip(call.jobs, adapters, prompts, strict=True)])
 
-    async def _updates(self, job: SampleJob[dict[str, Any]], adapter: Any, stream: bool,
+    async def _updates(self, job: gr.SampleJob[dict[str, Any]], adapter: Any, stream: bool,
                        prompt: dict[str, Any] | None = None) -> AsyncIterator[GenerateResponse]:
         """One sample on vLLM's engine (``prompt``: ``TokensPrompt``'s fields, default the job's ids): with
         ``stream``, the sample so far at each of vLLM's outputs (cumulative), then its answer."""
@@ -192,14 +185,14 @@ class VllmAdapter:
                 if not ids_of_rid:
                     del self._rids[job.rid]
         if final is None or not final.outputs:
-            yield sample_answer(job, text="", output_ids=[], weight_version=self.weight_version,
+            yield gr.sample_answer(job, text="", output_ids=[], weight_version=self.weight_version,
                                 finish=vp.finish_reason("abort", None, eos_token_id=None, completion_tokens=0,
                                                         message="aborted"),
                                 output_logprobs=[], latency_s=time.monotonic() - started)
             return
         yield self._answer(job, final, started, finished=True)
 
-    def _answer(self, job: SampleJob[dict[str, Any]], out: Any, started: float, *, finished: bool
+    def _answer(self, job: gr.SampleJob[dict[str, Any]], out: Any, started: float, *, finished: bool
                 ) -> GenerateResponse:
         """SGLang's answer from one of vLLM's ``RequestOutput``s (the sample so far unless ``finished``)."""
         comp = out.outputs[0]
@@ -214,7 +207,7 @@ class VllmAdapter:
                          for step, tok in zip(out.prompt_logprobs, job.prompt, strict=True)]
         finish = vp.finish_reason(comp.finish_reason, comp.stop_reason, eos_token_id=self.eos_token_id,
                                   completion_tokens=len(tokens), message="aborted") if finished else None
-        return sample_answer(job, text=comp.text, output_ids=tokens, finish=finish, weight_version=self.weight_version,
+        return gr.sample_answer(job, text=comp.text, output_ids=tokens, finish=finish, weight_version=self.weight_version,
                              output_logprobs=out_lp, prompt_logprobs=prompt_lp,
                              cached_tokens=int(out.num_cached_tokens or 0), latency_s=time.monotonic() - started)
 
@@ -228,10 +221,10 @@ class VllmAdapter:
         SGLang: a pause is the trainer's doing, not a sign that the server is broken."""
         if self.llm.errored or self.released or await self.llm.is_sleeping():
             return _unhealthy("the engine errored, released its memory or sleeps")
-        job = SampleJob(0, f"HEALTH_CHECK_{uuid.uuid4().hex}", 0, 1, [0],
+        job = gr.SampleJob(0, f"HEALTH_CHECK_{uuid.uuid4().hex}", 0, 1, [0],
                         {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}, False, -1, None, False)
         try:
-            answer = await asyncio.wait_for(last(self._updates(job, None, False)), HEALTH_GENERATE_TIMEOUT_S)
+            answer = await asyncio.wait_for(gr.last(self._updates(job, None, False)), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:
             return _unhealthy(f"no token in {HEALTH_GENERATE_TIMEOUT_S:.0f} s")
         except RuntimeError as exc:
