@@ -30,6 +30,7 @@ from raygym.errors import RaygymError, WeightSyncError
 
 if TYPE_CHECKING:
     from raygym.engines.spawn import EngineSpawner
+    from raygym.weightsync.probe import ImageProbe
 
 ENGINE_START_TIMEOUT_S = 600.0
 ALIVE_TIMEOUT_S = 30.0  # an engine actor that does not answer alive() in this time is left out of a sync
@@ -46,7 +47,8 @@ class EngineFleet:
 
     def __init__(self, recipe: Recipe, engines: Any, trainers: Any, manager: Any, *,
                  engine_dtype: str | None = None, say: Callable[[str], Any] = print,
-                 adapter: tuple[dict[str, Any], str] | None = None, spawner: EngineSpawner | None = None) -> None:
+                 adapter: tuple[dict[str, Any], str] | None = None, spawner: EngineSpawner | None = None,
+                 image_probe: ImageProbe | None = None) -> None:
         self.recipe = recipe
         self.engines = engines
         self.trainers = trainers
@@ -56,6 +58,7 @@ class EngineFleet:
         self.engine_dtype = engine_dtype
         self.say = say
         self.adapter = adapter  # LoRA: (the adapters' PEFT config, where adapter versions are written)
+        self.image_probe = image_probe  # a vision-language model's image item of the sync probe
         self.weight_sync: Any = None  # raygym.weightsync.coordinator.WeightSync over `synced`
         self.synced: list[int] = []  # engine indexes the weight sync reaches
         self.urls: list[str] = []
@@ -94,7 +97,7 @@ class EngineFleet:
                 overrides["disk_dir"] = self.adapter[1]
         sync = WeightSync(self.recipe, self.trainers.handles, [self.urls[i] for i in indexes],
                           engine_kind=info["kind"], session=weight_update_session(info["kind"], info["version"]),
-                          spec_overrides=overrides, cost_model=learned)
+                          spec_overrides=overrides, cost_model=learned, image_probe=self.image_probe)
         sync.setup()
         self.weight_sync, self.synced = sync, list(indexes)
 

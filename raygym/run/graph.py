@@ -191,6 +191,7 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
     from raygym.run.aux_groups import aux_manager_kwargs, start_aux_groups
     from raygym.trainer.actor import TrainerActor
     from raygym.trainer.backend import TrainerSettings
+    from raygym.weightsync.probe_image import image_probe
 
     recipe = cfg.recipe
     engine_kind = choose_rollout_engine(recipe.rollout_engine)
@@ -247,7 +248,8 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
         ray.get(manager.use_engine_api_key.remote(api_key))
         spawner = EngineSpawner(placement, EngineActor, (recipe,), engine_kwargs, recipe.environment, api_key)
         fleet = EngineFleet(recipe, engines, trainers, manager, engine_dtype=checkpoint_dtype(model_path), say=say,
-                            adapter=(lora.adapter_config, lora.directory) if lora else None, spawner=spawner)
+                            adapter=(lora.adapter_config, lora.directory) if lora else None, spawner=spawner,
+                            image_probe=image_probe(model_path))
         fleet.connect(list(range(len(engines))))
         if lora:  # the engines serve the trainer's adapters (identity at first, B = 0) before the first rollout
             fleet.push(0)

@@ -301,14 +301,17 @@ class TrainerActor:
 
         use_engine_api_key(key)
 
-    def probe_log_probs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
-        """Log-probs of ``responses`` after ``prompts`` under the current weights, as for training (every
-        rank takes part; each returns all of them). Weight sync compares them with an engine's."""
+    def probe_log_probs(self, prompts: list[list[int]], responses: list[list[int]],
+                        images: list[list[str]] | None = None) -> list[list[float]]:
+        """Log-probs of ``responses`` after ``prompts`` (with each prompt's ``images``, PNG data URLs, for a
+        vision-language model) under the current weights, as for training (every rank takes part; each returns
+        all of them). Weight sync compares them with an engine's."""
         from raygym.trainer.batch import TrainBatch
         from raygym.types import Sample
 
-        samples = [Sample(prompt="", prompt_tokens=list(p), group_index=i, response_tokens=list(r))
-                   for i, (p, r) in enumerate(zip(prompts, responses, strict=True))]
+        per_prompt = images or [[] for _ in prompts]
+        samples = [Sample(prompt="", prompt_tokens=list(p), group_index=i, response_tokens=list(r), images=list(m))
+                   for i, (p, r, m) in enumerate(zip(prompts, responses, per_prompt, strict=True))]
         offloaded = self._offloaded
         if offloaded:
             self.onload()

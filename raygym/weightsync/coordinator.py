@@ -70,6 +70,7 @@ from raygym.weightsync.probe import (
     HALF_PRECISION_SLACK,
     MIN_MEAN,
     EngineProbe,
+    ImageProbe,
     ProbeCalibration,
     ProbeResult,
     ProbeSpec,
@@ -109,11 +110,13 @@ class WeightSync:
 
     def __init__(self, recipe: Recipe, trainers: Sequence[Any], engines: Sequence[str | EngineLink], *,
                  engine_kind: str = "raygym", session: bool = False,
-                 spec_overrides: dict[str, Any] | None = None, cost_model: SyncCostModel | None = None):
+                 spec_overrides: dict[str, Any] | None = None, cost_model: SyncCostModel | None = None,
+                 image_probe: ImageProbe | None = None):
         """``engine_kind``: what the engines are (decides format and verification); ``session``: wrap every
         update in ``/begin_weight_update`` ... ``/end_weight_update`` (stock SGLang from 0.5.23);
         ``cost_model``: what ``auto`` learned so far for this transport and engine kind (e.g. from the
-        WeightSync this one replaces after an engine restart)."""
+        WeightSync this one replaces after an engine restart); ``image_probe``: a vision-language model's image
+        item, which the probe scores beside the text (:func:`raygym.weightsync.probe_image.image_probe`)."""
         self.trainers = list(trainers)
         if not self.trainers:
             raise ValueError("WeightSync needs at least one trainer (rank 0 first)")
@@ -124,9 +127,12 @@ class WeightSync:
         self.loaded_checksums = capabilities(engine_kind).checksums == "loaded"
         self.session = session
         self.probe = ProbeSpec()
+        self.image_probe = image_probe
+        self.engine_kind = engine_kind
         self.probe_tolerance = recipe.update_weight_probe_tolerance
-        self.calibration: ProbeCalibration | None = None  # the probe's tolerances, from the first sync's floor
-        self._before: ProbeResult | None = None  # the probe before the first sync (the engines' own weights)
+        self.probe_parts = ("text",) if image_probe is None else ("text", "image")
+        self._calibrations: dict[str, ProbeCalibration] = {}  # each part's tolerances, from the first sync's floor
+        self._before: dict[str, ProbeResult] = {}  # each part's probe before the first sync (the engines' own weights)
         self.colocate = recipe.colocate
         self.temperature = recipe.rollout_temperature
         self.full_interval = recipe.update_weight_full_interval
@@ -155,7 +161,7 @@ class WeightSync:
         force = self._force_full or (self.full_interval > 0 and self.syncs % self.full_interval == 0
                                      and self.syncs > 0)
         choice = self._choose(force)
-        if self._force_full and self._before is None:
+        if self._force_full and not self._before:
             self._probe_before_first_sync()
         refresh = True
         if choice is not None and choice.mode == "full":
@@ -266,27 +272,39 @@ class WeightSync:
             result["metrics"]["sync/pause_s"] = time.perf_counter() - paused_at
         return result, error
 
-    def _probe_results(self) -> list[ProbeResult] | str:
-        """Every engine's probe against the trainer's forward pass, unjudged (an error message when an engine
-        could not answer)."""
+    def _probe_results(self) -> dict[str, list[ProbeResult]] | str:
+        """Every engine's probe against the trainer's forward pass, unjudged, per part: ``"text"``, and
+        ``"image"`` for a vision-language model (an error message when an engine could not answer)."""
         lora_path = None
         if self.spec.adapter_endpoints:  # the probe scores what rollouts get: the base plus the run's adapter
             from raygym.lora import ADAPTER_NAME
 
             lora_path = ADAPTER_NAME
         request = self.probe.generate_request(self.temperature, lora_path=lora_path)
+        image = self.image_probe
+        # sent alone: stock SGLang takes the image as one pad, and fails batches with images (sglang_images)
+        image_request = None if image is None else image.request(self.temperature, sglang=self.engine_kind == "sglang",
+                                                                 lora_path=lora_path)
         answers = []
         for link in self.links:
             try:
-                answers.append(EngineProbe.from_answer(checked(link, Endpoint.GENERATE, request, self.timeout_s),
-                                                       request))
+                answer = EngineProbe.from_answer(checked(link, Endpoint.GENERATE, request, self.timeout_s), request)
+                if image is not None and image_request is not None:
+                    answer = answer.plus(image.answer(checked(link, Endpoint.GENERATE, image_request, self.timeout_s),
+                                                      image_request))
+                answers.append(answer)
             except (WeightSyncError, ValueError, KeyError) as exc:
                 return f"{link.name}: probe generation failed: {exc}"
-        results = []
+        texts = len(request.input_ids or [])
+        results: dict[str, list[ProbeResult]] = {part: [] for part in self.probe_parts}
         for answer in answers:
-            trainer = _invoke_all(self.trainers, "probe_log_probs", answer.prefixes, answer.responses,
+            with_images = () if answer.images is None else (answer.images,)
+            trainer = _invoke_all(self.trainers, "probe_log_probs", answer.prefixes, answer.responses, *with_images,
                                   timeout=self.timeout_s)[0]
-            results.append(compare_logprobs(answer.logprobs, trainer, self.probe_tolerance))
+            results["text"].append(compare_logprobs(answer.logprobs[:texts], trainer[:texts], self.probe_tolerance))
+            if image is not None:
+                results["image"].append(compare_logprobs(answer.logprobs[texts:], trainer[texts:],
+                                                         self.probe_tolerance))
         return results
 
     def _probe_before_first_sync(self) -> None:
@@ -296,39 +314,51 @@ class WeightSync:
             return
         results = self._probe_results()
         if not isinstance(results, str):
-            self._before = worst_of(results)
+            self._before = {part: worst_of(found) for part, found in results.items()}
 
     def _probe(self, version: int, metrics: dict[str, float]) -> str | None:
         """The engines' log-probs of a seeded probe against the trainer's; None when every engine agrees.
 
-        The first sync calibrates the tolerances (:meth:`ProbeCalibration.from_first_sync`: the noise floor on
-        identical weights, capped on the mean by ``update_weight_probe_tolerance``); every sync that passes
-        raises the floor to what it measured (:meth:`ProbeCalibration.follow`)."""
+        Each part (text; an image and the text after it) is judged on its own: a wrong vision tower moves only
+        the tokens after the image. The first sync calibrates the tolerances
+        (:meth:`ProbeCalibration.from_first_sync`: the noise floor on identical weights, capped on the mean by
+        ``update_weight_probe_tolerance``); every sync that passes raises the floor to what it measured
+        (:meth:`ProbeCalibration.follow`)."""
         results = self._probe_results()
         if isinstance(results, str):
             return results
-        all_of = worst_of(results)
-        cal = self.calibration
-        if cal is None:
-            slack = HALF_PRECISION_SLACK if self.spec.cast_dtype in ("bfloat16", "float16") else MIN_MEAN
-            cal = ProbeCalibration.from_first_sync(all_of, self._before, cap=self.probe_tolerance, slack=slack)
-        problems = []
-        for link, result in zip(self.links, results, strict=True):
-            if not cal.judge(result).ok:
-                problems.append(f"{link.name}: probe log-probs differ from the trainer's by {result.trimmed_mean:.2e} "
-                                f"on average, {result.trimmed_max:.2e} at worst over {result.tokens} tokens less the "
-                                f"{outliers(result.tokens)} farthest (up to {result.max_abs_diff:.2e}) "
-                                f"(tolerances {cal.tolerance:.2e} / {cal.max_tolerance:.2e}, from a noise floor of "
-                                f"{cal.floor_mean:.2e} / {cal.floor_max:.2e}; update_weight_probe_tolerance="
-                                f"{self.probe_tolerance} caps the mean's) at version {version}")
+        slack = HALF_PRECISION_SLACK if self.spec.cast_dtype in ("bfloat16", "float16") else MIN_MEAN
+        problems, passed = [], {}
+        for part, found in results.items():
+            all_of = worst_of(found)
+            cal = self._calibrations.get(part)
+            if cal is None:
+                cal = ProbeCalibration.from_first_sync(all_of, self._before.get(part), cap=self.probe_tolerance,
+                                                       slack=slack)
+            for link, result in zip(self.links, found, strict=True):
+                if not cal.judge(result).ok:
+                    problems.append(
+                        f"{link.name}: probe log-probs{' after the image' if part == 'image' else ''} differ from the "
+                        f"trainer's by {result.trimmed_mean:.2e} on average, {result.trimmed_max:.2e} at worst over "
+                        f"{result.tokens} tokens less the {outliers(result.tokens)} farthest (up to "
+                        f"{result.max_abs_diff:.2e}) (tolerances {cal.tolerance:.2e} / {cal.max_tolerance:.2e}, from a "
+                        f"noise floor of {cal.floor_mean:.2e} / {cal.floor_max:.2e}; update_weight_probe_tolerance="
+                        f"{self.probe_tolerance} caps the mean's) at version {version}")
+            passed[part] = cal.follow(all_of)  # the honest floor rises as training sharpens the policy
+            prefix = "sync/probe_image_" if part == "image" else "sync/probe_"
+            metrics.update({prefix + name: value for name, value in (
+                ("tokens", float(all_of.tokens)), ("logprob_diff_mean", all_of.mean_abs_diff),
+                ("logprob_diff_max", all_of.max_abs_diff), ("floor_mean", cal.floor_mean),
+                ("floor_max", cal.floor_max), ("tolerance", cal.tolerance), ("tolerance_max", cal.max_tolerance),
+                ("margin", cal.margin(all_of)))})
         if not problems:
-            self.calibration = cal.follow(all_of)  # the honest floor rises as training sharpens the policy
-        metrics.update({"sync/probe_tokens": float(all_of.tokens), "sync/probe_logprob_diff_mean": all_of.mean_abs_diff,
-                        "sync/probe_logprob_diff_max": all_of.max_abs_diff,
-                        "sync/probe_floor_mean": cal.floor_mean, "sync/probe_floor_max": cal.floor_max,
-                        "sync/probe_tolerance": cal.tolerance, "sync/probe_tolerance_max": cal.max_tolerance,
-                        "sync/probe_margin": cal.margin(all_of)})
+            self._calibrations = passed
         return "; ".join(problems) or None
+
+    @property
+    def calibration(self) -> ProbeCalibration | None:
+        """The text probe's tolerances (None before the first sync)."""
+        return self._calibrations.get("text")
 
     def _all(self, endpoint: Endpoint, body: Any) -> None:
         for link in self.links:

@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from raygym.engine_api.protocol import GenerateRequest
+from raygym.engine_api.protocol import GenerateRequest, GenerateResponse
 
 # Calibration (see ProbeCalibration), from measurements on the builtin tiny Qwen3 (docs/engines.md, "The probe"):
 # over 200 honest syncs of a bf16 engine whose model moved far (lr 1e-2), the mean difference stayed within
@@ -112,6 +112,62 @@ class ProbeSpec:
 
 
 @dataclass(frozen=True)
+class ImageProbe:
+    """The probe's item for a vision-language model: a prompt that opens with one fixed image, then text the
+    engines score after it. Only the image tower's output sets the text's log-probs apart from the text-only
+    items', so an engine that holds the language model right and the tower wrong fails here (engines that take
+    a checksum of every tensor catch it anyway; stock SGLang's probe would not).
+
+    ``tokens``: the prompt with the image's pad widened (what the trainer and raygym's engines take), ``prefix``
+    of them up to the image's last pad (not compared: the trainer embeds the image there); ``one_pad``: the same
+    prompt with the image as one pad, as stock SGLang takes it (:mod:`raygym.engines.sglang_images`); ``image``:
+    the PNG data URL.
+
+    >>> probe = ImageProbe(tokens=(50, 9, 9, 9, 9, 52, 5, 6, 7), prefix=5, one_pad=(50, 9, 52, 5, 6, 7), image="data:")
+    >>> probe.request(1.0, sglang=False).input_ids, probe.request(1.0, sglang=True).input_ids
+    ([50, 9, 9, 9, 9, 52, 5, 6, 7], [50, 9, 52, 5, 6, 7])
+    >>> probe.request(0.7, sglang=False).sampling_params["max_new_tokens"]
+    8
+    """
+
+    tokens: tuple[int, ...]
+    prefix: int
+    one_pad: tuple[int, ...]
+    image: str
+    new_tokens: int = 8
+    seed: int = 20240607
+
+    def request(self, temperature: float, *, sglang: bool, lora_path: str | None = None) -> GenerateRequest:
+        """One ``/generate``: scored teacher-forced after the image at temperature 1 without an adapter (as
+        :meth:`ProbeSpec.generate_request` does), else one seeded sample of ``new_tokens`` after the prompt;
+        ``sglang``: with the image as one pad."""
+        forced = temperature == 1.0 and lora_path is None
+        params = {"max_new_tokens": 1 if forced else self.new_tokens, "temperature": temperature, "top_p": 1.0,
+                  "top_k": -1, "ignore_eos": True, "sampling_seed": self.seed}
+        return GenerateRequest(input_ids=list(self.one_pad if sglang else self.tokens), image_data=[self.image],
+                               sampling_params=params, return_logprob=True, logprob_start_len=0 if forced else None,
+                               lora_path=lora_path)
+
+    def answer(self, answer: Any, request: GenerateRequest) -> EngineProbe:
+        """What one engine answered to :meth:`request`: the tokens after the image and their log-probs (the
+        scored prompt's, then the generated ones), to be scored by the trainer with the image."""
+        item = answer[0] if isinstance(answer, list) and len(answer) == 1 else answer
+        if not isinstance(item, GenerateResponse) or not item.meta_info.output_token_logprobs:
+            raise ValueError("probe: the image prompt's answer carries no output_token_logprobs")
+        tokens, values = item.tokens_and_logprobs()
+        prompt = list(self.tokens)
+        if request.logprob_start_len != 0:
+            return EngineProbe([prompt], [tokens], [values], [[self.image]])
+        entries = item.meta_info.input_token_logprobs or []
+        if len(entries) != len(prompt):
+            raise ValueError(f"probe: {len(entries)} prompt log-probs for the image prompt of {len(prompt)} tokens")
+        scored = [float(e[0]) for e in entries[self.prefix:] if e and e[0] is not None]
+        if len(scored) != len(prompt) - self.prefix:
+            raise ValueError(f"probe: {len(scored)} log-probs for the {len(prompt) - self.prefix} tokens after the image")
+        return EngineProbe([prompt[: self.prefix]], [prompt[self.prefix:] + tokens], [scored + values], [[self.image]])
+
+
+@dataclass(frozen=True)
 class EngineProbe:
     """What one engine answered: per request item, the tokens the trainer must score after ``prefixes`` and
     the engine's log-probs of them (the scored prompt's tokens after its first, then the generated ones)."""
@@ -119,6 +175,19 @@ class EngineProbe:
     prefixes: list[list[int]] = field(default_factory=list)
     responses: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
+    images: list[list[str]] | None = None  # each item's images (PNG data URLs), where any has one
+
+    def plus(self, other: EngineProbe) -> EngineProbe:
+        """Both answers' items, in order (``images`` kept for every item where either has one).
+
+        >>> EngineProbe([[1]], [[2]], [[-0.5]]).plus(EngineProbe([[3]], [[4]], [[-0.1]], [["img"]])).images
+        [[], ['img']]
+        """
+        images = None
+        if self.images is not None or other.images is not None:
+            images = (self.images or [[] for _ in self.prefixes]) + (other.images or [[] for _ in other.prefixes])
+        return EngineProbe(self.prefixes + other.prefixes, self.responses + other.responses,
+                           self.logprobs + other.logprobs, images)
 
     @classmethod
     def from_answer(cls, answer: Any, request: GenerateRequest) -> EngineProbe:

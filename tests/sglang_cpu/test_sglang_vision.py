@@ -42,9 +42,11 @@ from raygym.engines.sglang_images import (
     split_prompts,
     tokenizer_image_tokens,
 )
-from raygym.vision.images import encode_image
+from raygym.errors import WeightSyncError
+from raygym.vision.images import decode_image, encode_image
 from raygym.vision.tokens import expand_image_pads, mrope_positions
 from raygym.weightsync.coordinator import WeightSync
+from raygym.weightsync.probe_image import image_probe
 from raygym.weightsync.sender import RankWeightSync
 from raygym.weightsync.vlm_names import names_for_engine
 from tests.weightsync.local_trainer import LocalTrainer
@@ -330,9 +332,30 @@ class VlmTrainer(LocalTrainer):
     torch-backend trainer sends. The probe scores text with it, as ``TrainerActor.probe_log_probs`` does."""
 
     def __init__(self) -> None:
-        model, _ = build_tiny_vlm(0)
+        model, self.tok = build_tiny_vlm(0)
         self.model = model.float().eval()
+        self.proc = build_image_processor()
         self.wsync = RankWeightSync(0)
+
+    def probe_log_probs(self, prompts: list[list[int]], responses: list[list[int]],
+                        images: list[list[str]] | None = None) -> list[list[float]]:
+        """What TrainerActor.probe_log_probs returns, with each prompt's images (the probe's image item)."""
+        per_prompt = images or [[] for _ in prompts]
+        return [hf_output_logprobs(self.model, self.tok, self.proc, prompt, response,
+                                   [decode_image(url) for url in urls]).tolist()
+                for prompt, response, urls in zip(prompts, responses, per_prompt, strict=True)]
+
+
+class TowerDroppingTrainer(VlmTrainer):
+    """A trainer whose payload, once ``drop_tower`` is set, leaves the vision tower out (as a name mapping that
+    skipped ``visual.*`` would): the engine keeps its old tower under the trainer's new language model."""
+
+    drop_tower = False
+
+    def hf_weights(self):
+        for name, tensor in super().hf_weights():
+            if not (self.drop_tower and name.startswith("model.visual.")):
+                yield name, tensor
 
 
 def test_a_verified_sync_in_memory_names_moves_the_vision_tower_and_the_language_model(engine, sglang_python, vlm,
@@ -359,7 +382,7 @@ def test_a_verified_sync_in_memory_names_moves_the_vision_tower_and_the_language
         sync = WeightSync(recipe(sglang_python, update_weight_transport=transport,
                                  update_weight_disk_dir=str(tmp_path / transport)),
                           [trainer], [engine.url()], engine_kind="sglang",
-                          spec_overrides={"master_address": "127.0.0.1"})
+                          spec_overrides={"master_address": "127.0.0.1"}, image_probe=image_probe(engine.model_path))
         sync.setup()
         try:
             for weights in (model, other):
@@ -368,6 +391,7 @@ def test_a_verified_sync_in_memory_names_moves_the_vision_tower_and_the_language
                 metrics = sync.push(version)
                 assert metrics["sync/mode"] == 0.0 and metrics["sync/full_resyncs"] == 0.0, metrics
                 assert metrics["sync/verified_versions"] == 1.0 and metrics["sync/probe_tokens"] > 0, metrics
+                assert metrics["sync/probe_image_tokens"] == 50, metrics  # the 48 after the image, 1 generated
                 answer = generate(engine, [red], [[RED]])[0]
                 assert answer["meta_info"]["weight_version"] == str(version)
                 assert_matches_hf(weights, tok, proc, red, [RED], answer)
@@ -376,5 +400,34 @@ def test_a_verified_sync_in_memory_names_moves_the_vision_tower_and_the_language
                     for before in (model, mixed):  # neither the old weights nor the old vision tower
                         old = hf_output_logprobs(before, tok, proc, red, out, [RED])
                         assert (got - old).abs().max() > APART, "SGLang still answers with the checkpoint's weights"
+        finally:
+            sync.shutdown()
+
+
+def test_the_probe_catches_a_vision_tower_the_sync_left_out(engine, sglang_python, vlm):
+    """A sync whose payload leaves the vision tower out: SGLang serves the trainer's new language model under its
+    old tower. The text part of the probe cannot tell (it passes, shown with the image item off); the image item
+    scores the text after a fixed image, which goes through the tower, and fails the sync, the full resync too."""
+    model, _, _ = vlm
+    other, _ = build_tiny_vlm(1)
+    probe = image_probe(engine.model_path)
+    assert probe is not None
+    for with_image in (False, True):
+        trainer = TowerDroppingTrainer()
+        trainer.model.load_state_dict(model.state_dict())  # the checkpoint's weights, all of them: calibrates
+        sync = WeightSync(recipe(sglang_python, update_weight_transport="nccl"), [trainer], [engine.url()],
+                          engine_kind="sglang", spec_overrides={"master_address": "127.0.0.1"},
+                          image_probe=probe if with_image else None)
+        sync.setup()
+        try:
+            first = sync.push(1)
+            assert first["sync/verified_versions"] == 1.0 and ("sync/probe_image_tokens" in first) == with_image
+            trainer.model.load_state_dict(other.state_dict())
+            trainer.drop_tower = True
+            if not with_image:
+                assert sync.push(2)["sync/verified_versions"] == 1.0  # the text-only probe misses the old tower
+                continue
+            with pytest.raises(WeightSyncError, match="probe log-probs after the image differ"):
+                sync.push(2)
         finally:
             sync.shutdown()

@@ -33,7 +33,7 @@ from raygym.engines.vllm.vision import (
     tokenizer_with_video_token,
     vllm_prompts,
 )
-from raygym.vision.images import encode_image
+from raygym.vision.images import decode_image, encode_image
 from raygym.vision.tokens import expand_image_pads, mrope_positions
 from raygym.weightsync.sender import RankWeightSync
 from tests.weightsync.local_trainer import LocalTrainer
@@ -318,6 +318,19 @@ class VlmTrainer(LocalTrainer):
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.wsync = RankWeightSync(0)
 
+    def probe_log_probs(self, prompts: list[list[int]], responses: list[list[int]],
+                        images: list[list[str]] | None = None) -> list[list[float]]:
+        """What TrainerActor.probe_log_probs returns, with each prompt's images (the probe's image item)."""
+        out = []
+        with torch.no_grad():
+            for prompt, response, urls in zip(prompts, responses, images or [[] for _ in prompts], strict=True):
+                full = prompt + response
+                lsm = hf_log_softmax(self.model.eval(), self.tok, self.proc, prompt, response,
+                                     [decode_image(url) for url in urls])
+                out.append(lsm[len(prompt) - 1:].gather(-1, torch.tensor(full[len(prompt):])[:, None]).squeeze(-1)
+                           .tolist())
+        return out
+
     def train_step(self) -> None:
         prompt = vlm_prompt(self.tok, self.proc, ["look:", " n=7"], [RED])
         processed = self.proc(images=[RED], return_tensors="pt")
@@ -335,6 +348,7 @@ class VlmTrainer(LocalTrainer):
 @pytest.mark.timeout(1500)
 def test_a_verified_full_sync_moves_the_vision_tower_and_the_language_model(engine, vllm_python, vlm, tmp_path):
     from raygym.weightsync.coordinator import WeightSync
+    from raygym.weightsync.probe_image import image_probe
 
     model, tok, proc = vlm
     red = vlm_prompt(tok, proc, ["look:", " n="], [RED])
@@ -343,8 +357,8 @@ def test_a_verified_full_sync_moves_the_vision_tower_and_the_language_model(engi
     assert any(n.startswith("model.visual.") for n in names) and any(n.startswith("model.language_model.layers.")
                                                                     for n in names)
     assert "lm_head.weight" in names and "model.language_model.embed_tokens.weight" in names
-    sync = WeightSync(recipe(vllm_python), [trainer],
-                      [engine.url()], engine_kind="vllm", session=True, spec_overrides={"master_address": "127.0.0.1"})
+    sync = WeightSync(recipe(vllm_python), [trainer], [engine.url()], engine_kind="vllm", session=True,
+                      spec_overrides={"master_address": "127.0.0.1"}, image_probe=image_probe(engine.model_path))
     sync.setup()
     try:
         for version in (1, 2):
@@ -356,6 +370,7 @@ def test_a_verified_full_sync_moves_the_vision_tower_and_the_language_model(engi
             assert metrics["sync/mode"] == 0.0 and metrics["sync/full_resyncs"] == 0.0
             assert metrics["sync/verified_versions"] == 1.0 and metrics["sync/verified_tensors"] == len(names)
             assert metrics["sync/probe_tokens"] > 0 and metrics["sync/probe_logprob_diff_mean"] <= 1e-3
+            assert metrics["sync/probe_image_tokens"] == 50 and metrics["sync/probe_image_logprob_diff_mean"] <= 1e-3
             answer = generate(engine, [red], [[RED]])[0]
             assert answer["meta_info"]["weight_version"] == str(version)
             assert_matches_hf(trainer.model.eval(), tok, proc, red, [RED], answer)
