@@ -16,7 +16,8 @@ are loaded and checked when the dataset loads, and its prompt tokens are the wid
 patch of each image), which the length policy applies to; truncation never cuts an image (a row whose cut
 would is dropped and counted in ``num_image_cuts``; whole leading images cut off leave the row without them).
 A row whose images cannot be used (a file gone, a URL down, too large) is skipped and counted in
-``num_bad_images``, its reason kept in ``bad_image_reasons`` (the first few).
+``num_bad_images``, its reason kept in ``bad_image_reasons`` (the first few). Both counts are metrics of the run
+(:meth:`PromptDataset.load_metrics`: ``data/num_bad_images``, ``data/num_image_cuts``, in the first step's row).
 
 >>> import tempfile, json, os
 >>> d = tempfile.mkdtemp(); p = os.path.join(d, "rows.jsonl")
@@ -344,6 +345,15 @@ class PromptDataset:
 
             kwargs["data_dir"] = data_dir(local)
         return cls(read_rows(local, fmt), tokenizer, source=url, **kwargs)
+
+    def load_metrics(self) -> dict[str, float]:
+        """What loading left out, as run metrics (the training loop logs them with its first step):
+        ``data/num_bad_images``, rows skipped for images that could not be used (e.g. a remote file's, which the
+        up-front data check does not read), and ``data/num_image_cuts``, rows the "truncate" policy dropped rather
+        than split an image. ``{}`` for a dataset without an image column."""
+        if self._images is None:
+            return {}
+        return {"data/num_bad_images": float(self.num_bad_images), "data/num_image_cuts": float(self.num_image_cuts)}
 
     def __len__(self) -> int:
         return len(self._items)

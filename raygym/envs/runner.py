@@ -10,7 +10,11 @@ model's tokens, 0 for observation tokens (their log-probs are recorded as 0.0).
 Limits: ``max_turns`` model turns; ``max_context_len`` tokens of prompt + response (each turn gets
 ``min(max_new_tokens, room left)`` tokens; an observation that does not fit is cut and the episode
 ends with finish reason ``length``); ``call_timeout`` seconds for each ``reset`` / ``step`` (sync ones run in a
-worker thread, so a slow environment never blocks the engines' other episodes).
+worker thread, so a slow environment never blocks the engines' other episodes). On a vision-language model, a
+turn that sampled the image token (``<|image_pad|>``) is the episode's last, as if it were its ``max_turns``-th:
+no engine takes that token back as text in a later turn's context (raygym's server and vLLM adapter refuse a
+prompt whose pads outnumber its images' tokens; stock SGLang would read another image, refused before it is
+sent), and one refused request would fail the whole rollout.
 
 Per sample it records ``metadata["env_reward"]`` (the sum of the steps' rewards; the default
 reward of an environment run, see :func:`episode_reward`) and ``metrics`` ``env_turns``,
@@ -119,6 +123,7 @@ class EpisodeRunner:
         self.max_turns = max_turns
         self.max_context_len = max_context_len
         self.call_timeout = call_timeout
+        self.image_token = _image_token(tokenizer)  # a vision-language model's <|image_pad|> (module docstring)
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
@@ -197,6 +202,8 @@ class EpisodeRunner:
             stats["env_tool_errors"] += float(step.tool_error)
             if step.done or stats["env_turns"] == self.max_turns:  # no observation nobody would answer
                 return reward, finish
+            if self.image_token is not None and self.image_token in ids:  # no engine could take the next turn
+                return reward, finish
             if self._observe(prompt, episode, step.observation):
                 stats["env_context_full"] = 1.0
                 return reward, "length"
@@ -215,6 +222,17 @@ def _as_list(value: Any) -> list[str]:
     if value is None:
         return []
     return [value] if isinstance(value, str) else list(value)
+
+
+def _image_token(tokenizer: Any) -> int | None:
+    """The id of ``<|image_pad|>`` in a vision-language model's tokenizer; None for a text model's."""
+    from raygym.vision.qwen_vl import IMAGE_PAD
+
+    try:
+        token = tokenizer.get_vocab().get(IMAGE_PAD)
+    except (AttributeError, NotImplementedError):
+        return None
+    return None if token is None else int(token)
 
 
 def episode_reward(sample: Sample) -> float:

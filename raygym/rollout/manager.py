@@ -141,11 +141,12 @@ class RolloutManager:
         self.group_filter: GroupFilter | None = load_group_filter(self.settings.dynamic_sampling_filter_path)
         self._rollout_function = load_callable(self.settings.rollout_function, "rollout_function")
         s = self.settings
+        self.image_tokens = sglang_images.tokenizer_image_tokens(self.tokenizer)  # None for a text model
         self.pool = EnginePool(
             engine_handles,
             fault_tolerance=s.use_fault_tolerance,
             client_factory=client_factory or sglang_images.client_factory(  # stock SGLang: one pad per image
-                cfg.recipe.rollout_engine, sglang_images.tokenizer_image_tokens(self.tokenizer), request_timeout),
+                cfg.recipe.rollout_engine, self.image_tokens, request_timeout),
             request_timeout=request_timeout,
             health_interval=s.rollout_health_check_interval,
             health_timeout=s.rollout_health_check_timeout,
@@ -250,6 +251,10 @@ class RolloutManager:
             state["async_pending"] = self.stream.pending_keys()
         return state
 
+    def data_metrics(self) -> dict[str, float]:
+        """The training data's load-time counts (``data/*``, :meth:`PromptDataset.load_metrics`)."""
+        return self.dataset.load_metrics()
+
     def load_data_state(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state["train"])
         self._resumed_pending = [int(k) for k in state.get("async_pending", [])]
@@ -312,15 +317,18 @@ class RolloutManager:
     # --- requests -------------------------------------------------------------------------------
 
     def sampling_params(self, evaluation: bool = False) -> dict[str, Any]:
-        """SGLang ``sampling_params`` for rollout (or eval), ``sglang_request_params`` merged last."""
+        """SGLang ``sampling_params`` for rollout (or eval), ``sglang_request_params`` merged last. A
+        vision-language model's image placeholder tokens stop a response: sampled, the engines would take one
+        for another image when the response is continued (after an abort, or as the next turn's context)."""
         s = self.settings
         params: dict[str, Any] = {
             "temperature": s.rollout_temperature,
             "top_p": s.eval_top_p if evaluation else s.rollout_top_p,
             "max_new_tokens": s.eval_max_response_len if evaluation else s.rollout_max_response_len,
         }
-        if s.rollout_stop_token_ids:
-            params["stop_token_ids"] = list(s.rollout_stop_token_ids)
+        stops = [*(s.rollout_stop_token_ids or []), *(self.image_tokens or [])]
+        if stops:
+            params["stop_token_ids"] = list(dict.fromkeys(stops))
         params.update(s.sglang_request_params or {})
         return params
 

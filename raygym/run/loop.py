@@ -359,6 +359,9 @@ class Loop:
                 rollout_metrics, data_state = ray.get([manager.metrics.remote(), manager.data_state.remote()])
                 pending = schedule.after_rollout(step, self.version)
                 row = self._rollout_row(rollout_metrics, samples)
+                if step == start:  # what loading the data left out (data/*), in the first row after it loaded
+                    data_metrics: dict[str, float] = ray.get(manager.data_metrics.remote())
+                    row.update(data_metrics)
                 row.update(self.train_on(samples, step, timer))
                 schedule.before_sync(pending, timer)
                 saved = None
