@@ -58,6 +58,7 @@ def test_the_tiny_vlm_learns_to_count_with_stock_sglang(tmp_path, sglang_python)
     itself, the tower and language model sync under the checkpoint's names, verified, and the count is learned."""
     rows, _ = train_with_engine(["@", str(REPO_ROOT / "examples" / "vision" / "run.toml"), "--rollout-engine",
                                  "sglang", "--rollout-engine-python", sglang_python], tmp_path / "run")
-    assert len(rows) == 200
+    assert len(rows) == 100
+    early = sum(r["rollout/reward_mean"] for r in rows[:10]) / 10  # the random model rarely answers a digit (about 0.06)
     evals = [r["eval/count-shapes/pass@1"] for r in rows if "eval/count-shapes/pass@1" in r]
-    assert evals[0] < 0.45 and evals[-1] > 0.6, evals
+    assert early < 0.3 and evals[-1] > 0.6, (early, evals)
