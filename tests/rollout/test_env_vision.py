@@ -50,14 +50,14 @@ from raygym.engine_api.protocol import GenerateResponse
 from raygym.envs import EpisodeRunner
 from raygym.types import Sample
 from raygym.vision.images import decode_image
-from raygym.vision.tokens import expand_image_pads, mrope_positions
+from raygym.vision.tokens import expand_image_pads
+from tests.vision_reference import MERGE, hf_output_logprobs
 
 pytestmark = pytest.mark.timeout(300)
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 STEPS, PROMPTS, N = 3, 4, 4  # 3 steps of 4 prompts x 4 samples
-MERGE = 2
 TOLERANCE = 1e-4  # engine vs trainer / reference log-probs (raygym's default mismatch scale on CPU)
 
 
@@ -169,20 +169,12 @@ def image_processor() -> Any:
     return build_image_processor()
 
 
-def model_log_probs(model: Any, prompt: list[int], response: list[int], images: list[str] | None) -> torch.Tensor:
+def model_log_probs(model: Any, tok: Any, prompt: list[int], response: list[int], images: list[str] | None
+                    ) -> torch.Tensor:
     """The VLM's log-prob of each response token after ``prompt`` + the response before it: with ``images``
-    (HF's own forward given the pixels and the M-RoPE positions), or, ``None``, with the image tokens as text."""
-    ids = prompt + response
-    kwargs: dict[str, Any] = {"input_ids": torch.tensor([ids])}
-    if images is not None:
-        processed = image_processor()(images=[decode_image(u) for u in images], return_tensors="pt")
-        positions, _ = mrope_positions(ids, image_token=model.config.image_token_id,
-                                       grids=processed["image_grid_thw"].tolist(), merge=MERGE)
-        kwargs.update(position_ids=torch.tensor(positions)[:, None, :], pixel_values=processed["pixel_values"],
-                      image_grid_thw=processed["image_grid_thw"])
-    with torch.no_grad():
-        logits = model(**kwargs).logits[0, len(prompt) - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+    (HF's own forward given the pixels and the M-RoPE positions: tests/vision_reference.py), or, ``None``, with
+    the image tokens as text."""
+    return hf_output_logprobs(model, tok, image_processor(), prompt, response, [decode_image(u) for u in images or []])
 
 
 @pytest.mark.ray  # the run's own local Ray
@@ -198,13 +190,13 @@ def test_the_engine_generated_every_turn_from_the_samples_image(run):
     for s in step0:
         turns = turn_starts(s["loss_mask"])
         engine = torch.tensor(s["rollout_log_probs"])[turns]
-        own = model_log_probs(model, s["prompt_tokens"], s["response_tokens"], s["images"])[turns]
+        own = model_log_probs(model, tok, s["prompt_tokens"], s["response_tokens"], s["images"])[turns]
         torch.testing.assert_close(own, engine, atol=TOLERANCE, rtol=0)
         if len(turns) < 2:
             continue
         other = next(r["images"] for r in run.rows if r["label"] != s["label"])
         for name, images in (("other image", other), ("no image", None)):
-            got = model_log_probs(model, s["prompt_tokens"], s["response_tokens"], images)[turns]
+            got = model_log_probs(model, tok, s["prompt_tokens"], s["response_tokens"], images)[turns]
             gaps[name].append(float((got - engine).abs()[-1]))  # the second turn's token
     for name, values in gaps.items():  # every second turn tells the image apart (here by 4e-3 to 1.5e-1)
         assert values and min(values) > 10 * TOLERANCE and max(values) > 100 * TOLERANCE, (name, values)

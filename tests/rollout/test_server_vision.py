@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 import torch
 from aiohttp.test_utils import TestServer
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from raygym.builtin import build_tiny_model
 from raygym.builtin.tiny_vlm import (
-    IMAGE_PLACEHOLDER,
     TINY_VLM,
     build_image_processor,
     build_tiny_vlm,
@@ -30,10 +29,8 @@ from raygym.engines.raygym_server.generation import GenerationEngine, Generation
 from raygym.engines.raygym_server.server import InferenceServer, load_image_processor, load_model
 from raygym.engines.raygym_server.vision_inputs import VisionSupport
 from raygym.vision.images import encode_image
-from raygym.vision.tokens import expand_image_pads, mrope_positions
 from raygym.weightsync.tensor_pickle import dumps_named_tensors
-
-MERGE = 2
+from tests.vision_reference import DARK, RED, WIDE, hf_log_softmax, hf_logprobs, vlm_prompt
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,66 +48,12 @@ def vlm():
     return model.eval(), tok, build_image_processor()
 
 
-def picture(background: tuple[int, int, int], square: tuple[int, int, int], size: tuple[int, int] = (56, 56),
-            box: tuple[int, int, int, int] = (8, 8, 30, 30)) -> Image.Image:
-    image = Image.new("RGB", size, background)
-    ImageDraw.Draw(image).rectangle(box, fill=square)
-    return image
-
-
-RED = picture((220, 40, 40), (20, 20, 240))
-DARK = picture((0, 0, 0), (255, 255, 255), box=(30, 30, 50, 50))
-WIDE = picture((30, 160, 60), (250, 250, 0), size=(90, 40), box=(50, 5, 80, 30))  # grid 1x4x6: 6 tokens, delta < 0
-
-
-def vlm_prompt(tok: Any, proc: Any, parts: list[str], images: list[Image.Image]) -> list[int]:
-    """``parts`` joined by one image placeholder per image, each widened to its image's tokens."""
-    assert len(parts) == len(images) + 1
-    ids = tok.encode(IMAGE_PLACEHOLDER.join(parts))
-    grids = proc(images=images)["image_grid_thw"].tolist() if images else []
-    return expand_image_pads(ids, image_token=image_token_id(tok), grids=grids, merge=MERGE)
-
-
-def hf_logprobs(model: Any, tok: Any, proc: Any, prompt: list[int], output: list[int],
-                images: list[Image.Image]) -> torch.Tensor:
-    """log_softmax of HF's full forward pass over prompt + output, with the images' pixels and the prompt's
-    ``mrope_positions`` (a generated token: its index + delta), at every position from the last prompt token on:
-    [len(output) + 1, vocab]. A generated ``<|image_pad|>`` is text (HF would take every pad for an image's, so
-    then the images' features go in as embeddings at the prompt's pads, as HF's forward places them)."""
-    full = prompt + output
-    kwargs: dict[str, Any] = {"input_ids": torch.tensor([full])}
-    if images:
-        processed = proc(images=images, return_tensors="pt")
-        pad = image_token_id(tok)
-        positions, delta = mrope_positions(prompt, image_token=pad, grids=processed["image_grid_thw"].tolist(),
-                                           merge=MERGE)
-        positions = [row + [len(prompt) + k + delta for k in range(len(output))] for row in positions]
-        kwargs.update(position_ids=torch.tensor(positions)[:, None, :], pixel_values=processed["pixel_values"],
-                      image_grid_thw=processed["image_grid_thw"])
-        if pad in output:
-            with torch.no_grad():
-                embeds = model.get_input_embeddings()(kwargs.pop("input_ids"))
-                features = torch.cat(model.get_image_features(kwargs.pop("pixel_values"),
-                                                              kwargs.pop("image_grid_thw")).pooler_output)
-            at = torch.tensor([[t == pad for t in prompt] + [False] * len(output)])
-            kwargs["inputs_embeds"] = embeds.masked_scatter(at[..., None], features)
-    with torch.no_grad():
-        logits = model(**kwargs).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1:], -1)
-
-
-def hf_prompt_logprobs(model: Any, tok: Any, proc: Any, prompt: list[int], images: list[Image.Image]
-                       ) -> torch.Tensor:
-    """log_softmax of each prompt token from the second on, given the ones before it (HF's forward with the
-    images' pixels and ``mrope_positions``)."""
-    processed = proc(images=images, return_tensors="pt")
-    positions, _ = mrope_positions(prompt, image_token=image_token_id(tok), grids=processed["image_grid_thw"].tolist(),
-                                   merge=MERGE)
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt]), position_ids=torch.tensor(positions)[:, None, :],
-                       pixel_values=processed["pixel_values"],
-                       image_grid_thw=processed["image_grid_thw"]).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1)
+def hf_decode_log_softmax(model: Any, tok: Any, proc: Any, prompt: list[int], output: list[int],
+                          images: list[Image.Image]) -> torch.Tensor:
+    """HF's log_softmax (:func:`tests.vision_reference.hf_log_softmax`: the images' pixels and the prompt's
+    ``mrope_positions``, a generated ``<|image_pad|>`` as text) at every position from the last prompt token on:
+    [len(output) + 1, vocab]."""
+    return hf_log_softmax(model, tok, proc, prompt, output, images, after_last=True)[len(prompt) - 1:]
 
 
 def new_engine(model: Any, tok: Any, proc: Any, **kwargs: Any) -> GenerationEngine:
@@ -157,14 +100,14 @@ def test_greedy_generation_with_images_matches_hf_forward(vlm, prefix, images, g
         # without a generated pad, the reference is HF's forward as it is (it places the images itself); with one
         # (a random model samples anything) the reference embeds it as the text token it is
         assert (image_token_id(tok) in r.output_ids) == generates_pad, r.output_ids
-        expected = hf_logprobs(model, tok, proc, prompt, r.output_ids, images)
+        expected = hf_decode_log_softmax(model, tok, proc, prompt, r.output_ids, images)
         assert r.output_ids == expected[:-1].argmax(-1).tolist()
         torch.testing.assert_close(
             torch.tensor(r.output_logprobs),
             expected[:-1].gather(-1, torch.tensor(r.output_ids)[:, None]).squeeze(-1), atol=1e-4, rtol=1e-4)
         # input log-probs (SGLang's input_token_logprobs) are the VLM's with its images too
         torch.testing.assert_close(torch.tensor(engine.score(prompt, r.images)),
-                                   hf_prompt_logprobs(model, tok, proc, prompt, images), atol=1e-4, rtol=1e-4)
+                                   hf_logprobs(model, tok, proc, prompt, [], images), atol=1e-4, rtol=1e-4)
     finally:
         engine.stop()
 
@@ -260,7 +203,7 @@ def test_a_retracted_image_row_is_re_prefilled_with_its_generated_tokens_as_text
         assert r.wait(60) and r.finish_reason == {"type": "length", "length": 12}
         assert engine.stats.batches == batches + 2  # prefilled twice: the prompt, then prompt + tokens so far
         assert_same(r, solo)
-        expected = hf_logprobs(model, tok, proc, prompt, r.output_ids, [RED])
+        expected = hf_decode_log_softmax(model, tok, proc, prompt, r.output_ids, [RED])
         torch.testing.assert_close(
             torch.tensor(r.output_logprobs),
             expected[:-1].gather(-1, torch.tensor(r.output_ids)[:, None]).squeeze(-1), atol=1e-4, rtol=1e-4)
@@ -279,7 +222,7 @@ def test_the_image_changes_the_distribution(vlm):
         answers = {name: request(engine, name, prompt, [image], 1) for name, image in
                    (("red", RED), ("dark", DARK), ("red-again", RED))}
         run_all(engine, list(answers.values()))
-        first = {name: hf_logprobs(model, tok, proc, prompt, r.output_ids, [image])[0]
+        first = {name: hf_decode_log_softmax(model, tok, proc, prompt, r.output_ids, [image])[0]
                  for (name, r), image in zip(answers.items(), (RED, DARK, RED), strict=True)}
         assert (first["red"] - first["dark"]).abs().max() > 1e-3  # the distributions differ
         torch.testing.assert_close(first["red"], first["red-again"])
@@ -386,7 +329,7 @@ def test_generate_with_image_data_matches_hf_and_batches_with_text(http_server, 
     prompt = vlm_prompt(tok, proc, ["look:", " n="], [WIDE])
     one = generate(http_server, {"input_ids": prompt, "image_data": encode_image(WIDE), "return_logprob": True,
                                  "logprob_start_len": 0, "sampling_params": GREEDY})
-    expected = hf_logprobs(model, tok, proc, prompt, one["output_ids"], [WIDE])
+    expected = hf_decode_log_softmax(model, tok, proc, prompt, one["output_ids"], [WIDE])
     assert one["output_ids"] == expected[:-1].argmax(-1).tolist()
     meta = one["meta_info"]
     got = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
@@ -395,7 +338,7 @@ def test_generate_with_image_data_matches_hf_and_batches_with_text(http_server, 
     inputs = meta["input_token_logprobs"]
     assert inputs[0][0] is None and [t for _, t, _ in inputs] == prompt
     torch.testing.assert_close(torch.tensor([lp for lp, _, _ in inputs[1:]]),
-                               hf_prompt_logprobs(model, tok, proc, prompt, [WIDE]), atol=1e-4, rtol=1e-4)
+                               hf_logprobs(model, tok, proc, prompt, [], [WIDE]), atol=1e-4, rtol=1e-4)
     # a batch: an image prompt, a text prompt and a two-image prompt, each as it runs alone
     text = tok.encode("next:4=")
     two = vlm_prompt(tok, proc, ["p", "q", "="], [RED, DARK])

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 from transformers import AutoTokenizer
 
 from raygym.builtin import TINY_MODEL, materialize_model
@@ -43,17 +43,26 @@ from raygym.engines.sglang_images import (
     tokenizer_image_tokens,
 )
 from raygym.errors import WeightSyncError
-from raygym.vision.images import decode_image, encode_image
-from raygym.vision.tokens import expand_image_pads, mrope_positions
+from raygym.vision.images import encode_image
 from raygym.weightsync.coordinator import WeightSync
 from raygym.weightsync.probe_image import image_probe
 from raygym.weightsync.sender import RankWeightSync
 from raygym.weightsync.vlm_names import names_for_engine
+from tests.vision_reference import (
+    DARK,
+    RED,
+    WIDE,
+    ReferenceProbe,
+    hf_log_softmax,
+    hf_output_logprobs,
+    hf_text_argmax,
+    picture,
+    vlm_prompt,
+)
 from tests.weightsync.local_trainer import LocalTrainer
 
 pytestmark = [pytest.mark.sglang_cpu, pytest.mark.timeout(1200)]
 API_KEY = "sglang-vision-test-key"
-MERGE = 2
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 # SGLang serves the float32 checkpoint in float16 and runs its own kernels: its log-probs here are within 5e-4 of HF's
 # float32 forward (test_sglang_engine.py allows 0.05 on the text model). Tighter than that, so that what the vision
@@ -71,18 +80,6 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-def picture(background: tuple[int, int, int], square: tuple[int, int, int], size: tuple[int, int] = (56, 56),
-            box: tuple[int, int, int, int] = (8, 8, 30, 30)) -> Image.Image:
-    image = Image.new("RGB", size, background)
-    ImageDraw.Draw(image).rectangle(box, fill=square)
-    return image
-
-
-RED = picture((220, 40, 40), (20, 20, 240))
-DARK = picture((0, 0, 0), (255, 255, 255), box=(30, 30, 50, 50))
-WIDE = picture((30, 160, 60), (250, 250, 0), size=(90, 40), box=(50, 5, 80, 30))  # grid 1x4x6: 6 tokens
-
-
 @pytest.fixture(scope="module")
 def vlm():
     model, tok = build_tiny_vlm(0)
@@ -92,54 +89,6 @@ def vlm():
 @pytest.fixture(scope="module")
 def vlm_path(tmp_path_factory) -> str:
     return materialize_vlm(tmp_path_factory.mktemp("sglang-vlm"))
-
-
-def vlm_prompt(tok: Any, proc: Any, parts: list[str], images: list[Image.Image]) -> list[int]:
-    """``parts`` joined by one image placeholder per image, each widened to its image's tokens (raygym's contract)."""
-    ids = tok.encode(IMAGE_PLACEHOLDER.join(parts))
-    grids = proc(images=images)["image_grid_thw"].tolist() if images else []
-    return expand_image_pads(ids, image_token=image_token_id(tok), grids=grids, merge=MERGE)
-
-
-def hf_log_softmax(model: Any, tok: Any, proc: Any, prompt: list[int], output: list[int],
-                   images: list[Image.Image]) -> torch.Tensor:
-    """HF's log_softmax (float32) after every token of ``prompt + output`` but the last: the images' pixels at the
-    prompt's pads and the prompt's M-RoPE positions (a generated token: its index plus the delta), as raygym's
-    server and SGLang place them. A generated pad is text: the features go in at the prompt's pads only."""
-    full = prompt + output
-    kwargs: dict[str, Any] = {"input_ids": torch.tensor([full])}
-    if images:
-        processed = proc(images=images, return_tensors="pt")
-        pad = image_token_id(tok)
-        positions, delta = mrope_positions(prompt, image_token=pad, grids=processed["image_grid_thw"].tolist(),
-                                           merge=MERGE)
-        positions = [row + [len(prompt) + k + delta for k in range(len(output))] for row in positions]
-        kwargs.update(position_ids=torch.tensor(positions)[:, None, :], pixel_values=processed["pixel_values"],
-                      image_grid_thw=processed["image_grid_thw"])
-        if pad in output:
-            with torch.no_grad():
-                embeds = model.get_input_embeddings()(kwargs.pop("input_ids"))
-                features = torch.cat(model.get_image_features(kwargs.pop("pixel_values"),
-                                                              kwargs.pop("image_grid_thw")).pooler_output)
-            at = torch.tensor([[t == pad for t in prompt] + [False] * len(output)])
-            kwargs["inputs_embeds"] = embeds.masked_scatter(at[..., None], features)
-    with torch.no_grad():
-        return torch.log_softmax(model(**kwargs).logits[0, :-1].float(), -1)
-
-
-def hf_output_logprobs(model: Any, tok: Any, proc: Any, prompt: list[int], output: list[int],
-                       images: list[Image.Image]) -> torch.Tensor:
-    """HF's log-probs of ``output`` after ``prompt`` with ``images``."""
-    lsm = hf_log_softmax(model, tok, proc, prompt, output, images)[len(prompt) - 1:]
-    return lsm.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
-
-
-def hf_text_argmax(model: Any, prompt: list[int], steps: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def logprobs(answer: Any) -> torch.Tensor:
@@ -326,7 +275,7 @@ def test_a_request_sglang_cannot_be_given_is_refused_before_it_is_sent(engine, v
     assert engine.health_generate(timeout=60)
 
 
-class VlmTrainer(LocalTrainer):
+class VlmTrainer(ReferenceProbe, LocalTrainer):
     """Trainer rank 0 holding the builtin tiny Qwen2.5-VL (the checkpoint's weights): its ``state_dict`` is in
     transformers' in-memory names (``model.language_model.*``, ``model.visual.*``, ``lm_head.weight``), what a
     torch-backend trainer sends. The probe scores text with it, as ``TrainerActor.probe_log_probs`` does."""
@@ -336,14 +285,6 @@ class VlmTrainer(LocalTrainer):
         self.model = model.float().eval()
         self.proc = build_image_processor()
         self.wsync = RankWeightSync(0)
-
-    def probe_log_probs(self, prompts: list[list[int]], responses: list[list[int]],
-                        images: list[list[str]] | None = None) -> list[list[float]]:
-        """What TrainerActor.probe_log_probs returns, with each prompt's images (the probe's image item)."""
-        per_prompt = images or [[] for _ in prompts]
-        return [hf_output_logprobs(self.model, self.tok, self.proc, prompt, response,
-                                   [decode_image(url) for url in urls]).tolist()
-                for prompt, response, urls in zip(prompts, responses, per_prompt, strict=True)]
 
 
 class TowerDroppingTrainer(VlmTrainer):

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from raygym.builtin.tiny_vlm import (
     IMAGE_PLACEHOLDER,
@@ -33,26 +33,24 @@ from raygym.engines.vllm.vision import (
     tokenizer_with_video_token,
     vllm_prompts,
 )
-from raygym.vision.images import decode_image, encode_image
-from raygym.vision.tokens import expand_image_pads, mrope_positions
+from raygym.vision.images import encode_image
+from raygym.vision.tokens import mrope_positions
 from raygym.weightsync.sender import RankWeightSync
+from tests.vision_reference import (
+    DARK,
+    MERGE,
+    RED,
+    WIDE,
+    ReferenceProbe,
+    hf_log_softmax,
+    hf_logprobs,
+    hf_text_argmax,
+    vlm_prompt,
+)
 from tests.weightsync.local_trainer import LocalTrainer
 
-MERGE = 2
 API_KEY = "vllm-vision-test-key"
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
-
-
-def picture(background: tuple[int, int, int], square: tuple[int, int, int], size: tuple[int, int] = (56, 56),
-            box: tuple[int, int, int, int] = (8, 8, 30, 30)) -> Image.Image:
-    image = Image.new("RGB", size, background)
-    ImageDraw.Draw(image).rectangle(box, fill=square)
-    return image
-
-
-RED = picture((220, 40, 40), (20, 20, 240))
-DARK = picture((0, 0, 0), (255, 255, 255), box=(30, 30, 50, 50))
-WIDE = picture((30, 160, 60), (250, 250, 0), size=(90, 40), box=(50, 5, 80, 30))  # grid 1x4x6: 6 tokens
 
 
 @pytest.fixture(scope="module")
@@ -64,47 +62,6 @@ def vlm():
 @pytest.fixture(scope="module")
 def vlm_path(tmp_path_factory) -> str:
     return materialize_vlm(tmp_path_factory.mktemp("vllm-vlm"))
-
-
-def vlm_prompt(tok: Any, proc: Any, parts: list[str], images: list[Image.Image]) -> list[int]:
-    """``parts`` joined by one image placeholder per image, each widened to its image's tokens."""
-    ids = tok.encode(IMAGE_PLACEHOLDER.join(parts))
-    grids = proc(images=images)["image_grid_thw"].tolist() if images else []
-    return expand_image_pads(ids, image_token=image_token_id(tok), grids=grids, merge=MERGE)
-
-
-def hf_log_softmax(model: Any, tok: Any, proc: Any, prompt: list[int], output: list[int],
-                   images: list[Image.Image]) -> torch.Tensor:
-    """HF's log_softmax (float32) after every token of ``prompt + output`` but the last: the images' pixels at the
-    prompt's pads and the prompt's M-RoPE positions (a generated token: its index plus the delta), as raygym's
-    server and vLLM place them. (HF's own positions, without ``position_ids``, are not M-RoPE's here.)"""
-    full = prompt + output
-    kwargs: dict[str, Any] = {"input_ids": torch.tensor([full])}
-    if images:
-        processed = proc(images=images, return_tensors="pt")
-        positions, delta = mrope_positions(prompt, image_token=image_token_id(tok),
-                                           grids=processed["image_grid_thw"].tolist(), merge=MERGE)
-        positions = [row + [len(prompt) + k + delta for k in range(len(output))] for row in positions]
-        kwargs.update(position_ids=torch.tensor(positions)[:, None, :], pixel_values=processed["pixel_values"],
-                      image_grid_thw=processed["image_grid_thw"])
-        pad = image_token_id(tok)
-        if pad in output:  # a generated pad is text: the images' features go in at the prompt's pads only
-            with torch.no_grad():
-                embeds = model.get_input_embeddings()(kwargs.pop("input_ids"))
-                features = torch.cat(model.get_image_features(kwargs.pop("pixel_values"),
-                                                              kwargs.pop("image_grid_thw")).pooler_output)
-            at = torch.tensor([[t == pad for t in prompt] + [False] * len(output)])
-            kwargs["inputs_embeds"] = embeds.masked_scatter(at[..., None], features)
-    with torch.no_grad():
-        return torch.log_softmax(model(**kwargs).logits[0, :-1].float(), -1)
-
-
-def hf_logprobs(model: Any, tok: Any, proc: Any, prompt: list[int], output: list[int],
-                images: list[Image.Image]) -> torch.Tensor:
-    """HF's log-probs of every token of ``prompt + output`` from the second on, given the ones before it."""
-    full = prompt + output
-    return hf_log_softmax(model, tok, proc, prompt, output, images).gather(
-        -1, torch.tensor(full[1:])[:, None]).squeeze(-1)
 
 
 # ----- without vLLM: the prompt conversion and the adapter's refusals -----
@@ -280,14 +237,6 @@ def test_generation_from_images_matches_hf(engine, vlm):
     assert [s["output_ids"] for s in samples] == [answers[0]["output_ids"]] * 2
 
 
-def hf_text_argmax(model: Any, prompt: list[int], steps: int) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 @pytest.mark.vllm_cpu
 @pytest.mark.timeout(600)
 def test_requests_vllm_cannot_serve_are_400_and_text_still_works(engine, vlm):
@@ -306,7 +255,7 @@ def test_requests_vllm_cannot_serve_are_400_and_text_still_works(engine, vlm):
 # ----- weight sync in the trainer's in-memory names -----
 
 
-class VlmTrainer(LocalTrainer):
+class VlmTrainer(ReferenceProbe, LocalTrainer):
     """Trainer rank 0 holding a Qwen2.5-VL (the builtin tiny one of ``seed``): its ``state_dict`` is in
     transformers' in-memory names (``model.language_model.*``, ``model.visual.*``, ``lm_head.weight``), what a
     torch-backend trainer sends. ``train_step`` trains on an image, so the vision tower moves too."""
@@ -317,19 +266,6 @@ class VlmTrainer(LocalTrainer):
         self.proc = build_image_processor()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.wsync = RankWeightSync(0)
-
-    def probe_log_probs(self, prompts: list[list[int]], responses: list[list[int]],
-                        images: list[list[str]] | None = None) -> list[list[float]]:
-        """What TrainerActor.probe_log_probs returns, with each prompt's images (the probe's image item)."""
-        out = []
-        with torch.no_grad():
-            for prompt, response, urls in zip(prompts, responses, images or [[] for _ in prompts], strict=True):
-                full = prompt + response
-                lsm = hf_log_softmax(self.model.eval(), self.tok, self.proc, prompt, response,
-                                     [decode_image(url) for url in urls])
-                out.append(lsm[len(prompt) - 1:].gather(-1, torch.tensor(full[len(prompt):])[:, None]).squeeze(-1)
-                           .tolist())
-        return out
 
     def train_step(self) -> None:
         prompt = vlm_prompt(self.tok, self.proc, ["look:", " n=7"], [RED])
