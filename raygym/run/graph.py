@@ -213,7 +213,8 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
             placement, TrainerActor, args=(trainer_settings,),
             environment=recipe.environment, train_env_vars=recipe.train_env_vars,
         )
-        ray.get([h.use_engine_api_key.remote(api_key) for h in trainers.handles])
+        # not waited for here: the engines' processes start while the trainers' import (an actor runs its calls in order)
+        key_refs = [h.use_engine_api_key.remote(api_key) for h in trainers.handles]
         init_refs = [h.init.remote() for h in trainers.handles]
         critic_refs: list[Any] = []
         if recipe.use_critic:  # PPO's value model: its own ranks, process group and checkpoints
@@ -231,13 +232,12 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
         }
         engines = start_engine_group(placement, EngineActor, args=(recipe,), kwargs=engine_kwargs,
                                      environment=recipe.environment)
-        ray.get([h.use_engine_api_key.remote(api_key) for h in engines.handles])
+        key_refs += [h.use_engine_api_key.remote(api_key) for h in engines.handles]
         url_refs = [h.start.remote() for h in engines.handles]
         critic_text = f", {len(critics)} critic(s)" if critics else ""
         say(f"starting {len(trainers)} trainer(s){critic_text} and {len(engines)} {engine_kind} engine(s) ...")
-        trainer_info = list(ray.get(init_refs))
-        ray.get(critic_refs)
-        ray.get(url_refs)
+        # the judge engines, teachers and the rollout manager (its tokenizer and data) start while the trainers and
+        # engines load; the manager reaches the engines only when the first rollout starts, after they answered
         aux = start_aux_groups(recipe, run_dir, engine_kind, say)
         manager_cls = ray.remote(RolloutManager)
         manager = cast("ActorHandle[RolloutManager]", manager_cls.options(  # ray types .remote() as a union
@@ -245,7 +245,11 @@ def build_graph(cfg: TrainConfig, model_path: str, run_dir: Path, say: Any = pri
             cfg, engines.handles, model_path, data_cache_dir=str(run_dir / "cache"),
             **aux_manager_kwargs(recipe, aux, run_dir),
         ))
-        ray.get(manager.use_engine_api_key.remote(api_key))
+        key_refs.append(manager.use_engine_api_key.remote(api_key))
+        ray.get(key_refs)
+        trainer_info = list(ray.get(init_refs))
+        ray.get(critic_refs)
+        ray.get(url_refs)
         spawner = EngineSpawner(placement, EngineActor, (recipe,), engine_kwargs, recipe.environment, api_key)
         fleet = EngineFleet(recipe, engines, trainers, manager, engine_dtype=checkpoint_dtype(model_path), say=say,
                             adapter=(lora.adapter_config, lora.directory) if lora else None, spawner=spawner,
