@@ -72,7 +72,7 @@ def test_the_tiny_vlm_learns_to_count_with_vllm(tmp_path, vllm_python):
     of the vision tower and language model is verified, and the held-out count is learned (chance: 0.25)."""
     rows, _ = train_with_engine(["@", str(REPO_ROOT / "examples" / "vision" / "run.toml"), "--rollout-engine", "vllm",
                                  "--rollout-engine-python", vllm_python], tmp_path / "run")
-    assert len(rows) == 100 and all(r["sync/verified_tensors"] == 57 for r in rows)
+    assert len(rows) == 120 and all(r["sync/verified_tensors"] == 57 and r["sync/probe_image_tokens"] == 50 for r in rows)
     early = sum(r["rollout/reward_mean"] for r in rows[:10]) / 10  # the random model rarely answers a digit (about 0.06)
     evals = [r["eval/count-shapes/pass@1"] for r in rows if "eval/count-shapes/pass@1" in r]
     assert early < 0.3 and evals[-1] > 0.6, (early, evals)
