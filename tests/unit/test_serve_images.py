@@ -15,7 +15,7 @@ import threading
 
 import openai
 import pytest
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from raygym.builtin import build_tokenizer
 from raygym.builtin.tiny_vlm import (
@@ -32,21 +32,10 @@ from raygym.serve.protocol import ChatCompletionRequest
 from raygym.vision.dataset import MAX_IMAGES_PER_SAMPLE
 from raygym.vision.images import encode_image
 from raygym.vision.tokens import expand_image_pads
+from tests.vision_reference import MERGE, RED, WIDE
 
 KEY = "serve-images-key-0123456789"
 MODEL = "tiny-vl"
-MERGE = 2
-
-
-def picture(background: tuple[int, int, int], square: tuple[int, int, int], size: tuple[int, int] = (56, 56),
-            box: tuple[int, int, int, int] = (8, 8, 30, 30)) -> Image.Image:
-    image = Image.new("RGB", size, background)
-    ImageDraw.Draw(image).rectangle(box, fill=square)
-    return image
-
-
-RED = picture((220, 40, 40), (20, 20, 240))
-WIDE = picture((30, 160, 60), (250, 250, 0), size=(90, 40), box=(50, 5, 80, 30))  # grid 1x4x6: 6 tokens
 
 
 def jpeg_url(image: Image.Image) -> str:
