@@ -87,6 +87,18 @@ def start_local_ray(num_cpus: int = 8, num_gpus: int = 8, **kwargs):
     return ray
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module's in-process reference forwards (``pytest.mark.usefixtures``): on a shared
+    2-core box spinning threads cost 10x."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """A local Ray with 8 logical CPUs and 8 logical GPUs shared by the tests of a session."""

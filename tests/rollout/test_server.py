@@ -29,17 +29,9 @@ from raygym.engines.raygym_server.server import tensor_checksum
 from raygym.engines.serving.weight_receiver import destroy_group
 from raygym.weightsync.transport_dist import broadcast, join_group
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the in-process reference forwards
 REPO = Path(__file__).resolve().parents[2]
 LOADER_MODULE = "rg_test_additive_loader"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Reference forwards on one thread: on a shared 2-core box spinning threads cost 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -558,6 +550,7 @@ def test_update_weights_from_disk_via_fsspec_url(server, tmp_path, model_path, r
 def _join_and_send(
     server: str, port: int, tensors: list[tuple[str, torch.Tensor]], *, load_format=None, version=None
 ):
+
     """The test process is rank 0 of a 2-rank gloo group; it broadcasts while the server receives."""
     pool = ThreadPoolExecutor(2)
     joining = pool.submit(join_group, "127.0.0.1", port, 0, 2, "wsync", "gloo", 60)

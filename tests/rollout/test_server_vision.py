@@ -32,14 +32,7 @@ from raygym.vision.images import encode_image
 from raygym.weightsync.tensor_pickle import dumps_named_tensors
 from tests.vision_reference import DARK, RED, WIDE, hf_log_softmax, hf_logprobs, vlm_prompt
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Reference forwards on one thread: on a shared 2-core box spinning threads cost 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the in-process reference forwards
 
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ from tests.vision_reference import (
 )
 from tests.weightsync.local_trainer import LocalTrainer
 
-pytestmark = [pytest.mark.sglang_cpu, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.sglang_cpu, pytest.mark.timeout(1200)]
 API_KEY = "sglang-vision-test-key"
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 # SGLang serves the float32 checkpoint in float16 and runs its own kernels: its log-probs here are within 5e-4 of HF's
@@ -69,15 +69,6 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 # tower changes shows: the checkpoint's tower under the new language model moves a log-prob by ~0.06.
 TOL = 0.01
 APART = 0.03  # log-probs that another image or other weights give differ from these by more than this somewhere
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Reference forwards on one thread: on a shared 2-core box spinning threads cost 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,7 @@ from raygym.bench import gpu_check_vlm as check
 from raygym.builtin.tiny_vlm import build_tiny_vlm, materialize_vlm
 from raygym.engine_api.protocol import GenerateResponse
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the in-process reference forwards
 
 
 @pytest.fixture
