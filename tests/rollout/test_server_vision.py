@@ -14,6 +14,7 @@ import pytest
 import torch
 from aiohttp.test_utils import TestServer
 from PIL import Image
+from transformers import LlavaConfig
 
 from raygym.builtin import build_tiny_model
 from raygym.builtin.tiny_vlm import (
@@ -246,8 +247,9 @@ def test_prepare_images_refuses_what_cannot_be_served(vlm):
     with pytest.raises(ValueError, match="no image processor"):
         no_processor.prepare_images(prompt, [RED])
     # a vision-language model of a family whose images this server does not place
-    other = SimpleNamespace(config=SimpleNamespace(vision_config=SimpleNamespace(), model_type="llava", image_token_id=5,
-                                                   name_or_path="some/llava"))
+    llava = LlavaConfig(image_token_index=5)
+    llava.name_or_path = "some/llava"
+    other = SimpleNamespace(config=llava)
     support = VisionSupport.from_model(other, proc)
     assert support is not None and support.unsupported is not None
     with pytest.raises(ValueError, match=r"some/llava \(model_type 'llava'\) is a vision-language model"):

@@ -83,18 +83,17 @@ class VisionSupport:
     @classmethod
     def from_model(cls, model: torch.nn.Module, image_processor: Any) -> VisionSupport | None:
         """The support of ``model`` (None for a text-only model: its config has no ``vision_config``)."""
-        config = model.config  # type: ignore[union-attr]
-        vision = getattr(config, "vision_config", None)
+        config: dict[str, Any] = model.config.to_dict()  # type: ignore[union-attr,operator]  # transformers' config as data
+        vision = config.get("vision_config")
         if vision is None:
             return None
-        kind = getattr(config, "model_type", None)
-        token = getattr(config, "image_token_id", None)
+        kind, token = config.get("model_type"), config.get("image_token_id")
         unsupported = None
         if kind not in SUPPORTED_MODEL_TYPES or token is None:
             unsupported = (f"the model {model_name(model)} (model_type {kind!r}) is a vision-language model raygym's "
                            f"server does not run images for; it runs those of model_type {list(SUPPORTED_MODEL_TYPES)}")
         return cls(image_token_id=int(token if token is not None else -1),
-                   merge_size=int(getattr(vision, "spatial_merge_size", 2)), image_processor=image_processor,
+                   merge_size=int(vision.get("spatial_merge_size", 2)), image_processor=image_processor,
                    model_name=model_name(model), unsupported=unsupported)
 
     def count_image_tokens(self, input_ids: Sequence[int]) -> int:
@@ -159,8 +158,7 @@ def prepare_images(vision: VisionSupport | None, model: str, input_ids: Sequence
 
 def model_name(model: torch.nn.Module) -> str:
     """A model's name for messages: its checkpoint path, else its class."""
-    config = getattr(model, "config", None)
-    return str(getattr(config, "name_or_path", "") or type(model).__name__)
+    return str(model.config.name_or_path or type(model).__name__)  # type: ignore[union-attr]
 
 
 def _as_pil(image: ImageRef, index: int) -> Any:
